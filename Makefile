@@ -1,0 +1,50 @@
+# NanoEuler entry points. PYTHON=... picks the interpreter.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
+
+.PHONY: all setup setup-test warm check test train train-big bench data clean
+
+all: warm                                  # `make`: install, then compile every Numba kernel into the cache
+
+setup:
+	$(PIP) -r requirements.txt
+
+setup-test: setup                          # test-only tools; the NVRTC wheel lets CI compile the CUDA kernels
+	$(PIP) pytest hypothesis duckdb nvidia-cuda-nvrtc-cu12
+
+warm: setup
+	$(PYTHON) gradcheck.py all > /dev/null  # float64 kernels
+	$(PYTHON) nanoeuler.py bench --steps 1  # float32 kernels
+
+check: setup                               # every backward against float64 finite differences
+	$(PYTHON) gradcheck.py all
+
+test: setup-test
+	$(PYTHON) -m pytest -q test_all.py
+
+train: setup                               # the small model on the embedded default corpus (no download)
+	$(PYTHON) nanoeuler.py train
+
+train-big: setup
+	$(PYTHON) nanoeuler.py train big
+
+bench: setup
+	$(PYTHON) nanoeuler.py bench
+
+# corpora -> data/pretrain.txt (books + web) -> the 4096 tokenizer and the uint16 token file
+data: data/pretrain.bin data/alpaca.json
+data/gutenberg.txt:
+	bash data/get_gutenberg.sh
+data/web.txt:
+	bash data/get_web.sh 100
+data/alpaca.json:
+	bash data/get_alpaca.sh
+data/pretrain.txt: data/gutenberg.txt data/web.txt
+	cat data/gutenberg.txt data/web.txt > data/pretrain.txt.tmp && mv data/pretrain.txt.tmp data/pretrain.txt
+data/pretrain.bpe: data/pretrain.txt
+	$(PYTHON) bpe.py train data/pretrain.txt --vocab 4096 -o data/pretrain.bpe
+data/pretrain.bin: data/pretrain.bpe
+	$(PYTHON) bpe.py encode data/pretrain.bpe data/pretrain.txt -o data/pretrain.bin
+
+clean:
+	rm -rf __pycache__ .pytest_cache data/cache

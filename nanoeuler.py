@@ -1,0 +1,1262 @@
+"""
+nanoeuler.py -- a GPT-class language model trained from scratch on the CPU.
+
+The CPU engine and the reference of the project: every forward and backward pass is written by hand
+(numpy for the big matrix products, Numba for everything else), checked in float64 by gradcheck.py, and
+the GPU engine (nanoeuler_cuda.py) is checked against it. The model contract is SPEC.md: a decoder-only
+transformer whose residual stream is integrated by forward-Euler steps x = x + f(x), with RMSNorm, RoPE,
+grouped-query attention, SwiGLU and multi-token-prediction (MTP) heads.
+
+Sections: config | parameters | layers (forward next to backward) | model | optimiser | data |
+checkpoints | sampling | SFT | chat | training | bench | main.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+
+# Two thread pools share the cores: OpenBLAS (matrix products) and OpenMP under Numba (everything else).
+# Each spins for a long while after its work and starves the other; short spins make them take turns
+# (measured: 2x faster training steps on 2 cores).
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+import numpy as np
+
+try:
+    from numba import njit, prange
+except ImportError:  # one clear line instead of a traceback
+    sys.exit("error: numba is not installed (pip install -r requirements.txt)")
+
+import bpe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.environ.get("NANOEULER_CACHE", os.path.join(HERE, "data", "cache"))   # tokenizers and token files
+EOT = "<|endoftext|>"
+
+
+def die(msg):
+    """Bad input ends the program with one line on stderr and a non-zero exit, never a traceback."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# config
+
+@dataclass
+class Config:
+    dim: int          # D, width of the residual stream
+    n_heads: int      # Hq query heads
+    n_kv_heads: int   # Hkv key/value heads (query head j reads kv head j // (Hq/Hkv))
+    n_layers: int     # L
+    ctx: int          # longest sequence
+    vocab: int        # V
+    ffn: int          # F, SwiGLU hidden width
+    n_mtp: int        # output heads: head k predicts token t+1+k
+    mtp_weight: float = 0.3
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+    def to_json(self):
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(s):
+        d = json.loads(s)
+        known = {f.name for f in fields(Config)}
+        return Config(**{k: v for k, v in d.items() if k in known})
+
+
+CONFIGS = {
+    "tiny": Config(dim=32, n_heads=4, n_kv_heads=2, n_layers=3, ctx=64, vocab=300, ffn=96, n_mtp=3),
+    "small": Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx=512, vocab=512, ffn=384, n_mtp=3),
+    "big_cpu": Config(dim=256, n_heads=4, n_kv_heads=2, n_layers=8, ctx=512, vocab=4096, ffn=768, n_mtp=3),
+    "big": Config(dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx=512, vocab=4096, ffn=2048, n_mtp=4),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# parameters: one flat buffer, named views in SPEC order
+
+def param_shapes(cfg):
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn
+    shapes = [("tok_emb", (cfg.vocab, D))]
+    for i in range(cfg.n_layers):
+        shapes += [(f"layers.{i}.attn_norm", (D,)),
+                   (f"layers.{i}.wq", (cfg.n_heads * hd, D)),
+                   (f"layers.{i}.wk", (cfg.n_kv_heads * hd, D)),
+                   (f"layers.{i}.wv", (cfg.n_kv_heads * hd, D)),
+                   (f"layers.{i}.wo", (D, cfg.n_heads * hd)),
+                   (f"layers.{i}.ffn_norm", (D,)),
+                   (f"layers.{i}.w1", (F, D)),
+                   (f"layers.{i}.w3", (F, D)),
+                   (f"layers.{i}.w2", (D, F))]
+    shapes += [("norm", (D,))] + [(f"heads.{k}", (cfg.vocab, D)) for k in range(cfg.n_mtp)]
+    return shapes
+
+
+def num_params(cfg):
+    return sum(int(np.prod(s)) for _, s in param_shapes(cfg))
+
+
+class Params:
+    """One flat buffer holding every tensor; p[name] is a view of it with the SPEC shape.
+    Gradients and Adam moments use the same class, so they share the layout."""
+
+    def __init__(self, cfg, dtype=np.float32, flat=None):
+        self.cfg = cfg
+        self.flat = np.zeros(num_params(cfg), dtype) if flat is None else flat
+        assert self.flat.shape == (num_params(cfg),)
+        self.offsets, self.views, off = {}, {}, 0
+        for name, shape in param_shapes(cfg):
+            n = int(np.prod(shape))
+            self.offsets[name] = (off, off + n)
+            self.views[name] = self.flat[off:off + n].reshape(shape)
+            off += n
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    @property
+    def names(self):
+        return list(self.views)
+
+    def items(self):
+        return self.views.items()
+
+    def rows(self, first, last):
+        """Consecutive matrices with the same input width as one (rows, in) view: wq|wk|wv, w1|w3, heads."""
+        start, end = self.offsets[first][0], self.offsets[last][1]
+        return self.flat[start:end].reshape(-1, self.views[first].shape[1])
+
+    def astype(self, dtype):
+        return Params(self.cfg, dtype, self.flat.astype(dtype))
+
+    @staticmethod
+    def init(cfg, seed=0, dtype=np.float32):
+        rng = np.random.default_rng(seed)
+        P = Params(cfg, dtype)
+        for name, view in P.items():
+            if view.ndim == 1:
+                view[:] = 1.0                                   # norm weights
+            else:
+                std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith((".wo", ".w2")) else 0.02
+                view[:] = rng.normal(0.0, std, view.shape)
+        return P
+
+
+# ----------------------------------------------------------------------------------------------------
+# layers: each forward next to its backward. N = B*T rows; kernels work in the dtype they are given
+# (float32 to train, float64 for the gradient check); reductions accumulate in float64.
+
+# --- embedding ---
+
+def embedding_forward(tok_emb, idx):
+    return tok_emb[idx.reshape(-1)]                                # (N, D)
+
+
+@njit(cache=True)
+def embedding_backward(dx, idx, dtok_emb):
+    """dtok_emb[idx[n]] += dx[n]; serial, since two rows may hit the same token."""
+    N, D = dx.shape
+    for n in range(N):
+        t = idx[n]
+        for d in range(D):
+            dtok_emb[t, d] += dx[n, d]
+
+
+# --- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ---
+
+@njit(parallel=True, cache=True)
+def _rmsnorm_fwd(x, w, y, rstd):
+    N, D = x.shape
+    for n in prange(N):
+        ss = 0.0
+        for d in range(D):
+            ss += x[n, d] * x[n, d]
+        r = 1.0 / np.sqrt(ss / D + 1e-5)
+        rstd[n] = r
+        for d in range(D):
+            y[n, d] = x[n, d] * r * w[d]
+
+
+def rmsnorm_forward(x, w):
+    y, rstd = np.empty_like(x), np.empty(x.shape[0], x.dtype)
+    _rmsnorm_fwd(x, w, y, rstd)
+    return y, rstd
+
+
+@njit(parallel=True, cache=True)
+def rmsnorm_backward(dy, x, w, rstd, dx, dw):
+    """dx += d/dx (accumulates into the residual gradient); dw = sum_n dy * x * rstd.
+    With g = dy*w: dx = r*g - r^3 * x * mean(g*x)."""
+    N, D = x.shape
+    for n in prange(N):
+        r = rstd[n]
+        gx = 0.0
+        for d in range(D):
+            gx += dy[n, d] * w[d] * x[n, d]
+        c = r * r * r * gx / D
+        for d in range(D):
+            dx[n, d] += r * dy[n, d] * w[d] - c * x[n, d]
+    for d in prange(D):
+        s = 0.0
+        for n in range(N):
+            s += dy[n, d] * x[n, d] * rstd[n]
+        dw[d] = s
+
+
+# --- RoPE, half-split: u'[i] = u[i] cos - u[i+h] sin, u'[i+h] = u[i+h] cos + u[i] sin ---
+
+def rope_tables(ctx, hd, dtype):
+    freqs = 10000.0 ** (-np.arange(0, hd // 2) * 2.0 / hd)         # f_i = theta^(-2i/hd)
+    angles = np.arange(ctx)[:, None] * freqs[None, :]              # (ctx, hd/2)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+@njit(parallel=True, cache=True)
+def _rope(u, pos, cos, sin, sign):
+    """Rotates u (N, H, hd) in place by +angle (forward) or -angle (backward: R^T = R(-a))."""
+    N, H, hd = u.shape
+    half = hd // 2
+    for n in prange(N):
+        p = pos[n]
+        for h in range(H):
+            for i in range(half):
+                c, s = cos[p, i], sign * sin[p, i]
+                a, b = u[n, h, i], u[n, h, i + half]
+                u[n, h, i] = a * c - b * s
+                u[n, h, i + half] = b * c + a * s
+
+
+def rope_forward(u, pos, cos, sin):
+    u = np.ascontiguousarray(u).copy()
+    _rope(u, pos, cos, sin, 1.0)
+    return u
+
+
+def rope_backward(du, pos, cos, sin):
+    du = np.ascontiguousarray(du).copy()
+    _rope(du, pos, cos, sin, -1.0)
+    return du
+
+
+# --- causal grouped-query attention ---
+# Query heads are grouped by the kv head they read: q is laid out (B, Hkv, G*T, hd) with G = Hq/Hkv,
+# so each kv head's G query heads form one tall matrix and the score products are plain batched GEMMs
+# (numpy -> BLAS) with no copy of k or v per query head.
+
+@njit(parallel=True, cache=True)
+def _causal_softmax(S, T):
+    """S (B, Hkv, G*T, T) scores -> probabilities in place; row r is position t = r % T, sees 0..t."""
+    B, H, R, _ = S.shape
+    for bh in prange(B * H):
+        b, h = bh // H, bh % H
+        for r in range(R):
+            t = r % T
+            m = S[b, h, r, 0]
+            for j in range(1, t + 1):
+                m = max(m, S[b, h, r, j])
+            z = 0.0
+            for j in range(t + 1):
+                e = np.exp(S[b, h, r, j] - m)
+                S[b, h, r, j] = e
+                z += e
+            for j in range(t + 1):
+                S[b, h, r, j] /= z
+            for j in range(t + 1, T):
+                S[b, h, r, j] = 0.0
+
+
+@njit(parallel=True, cache=True)
+def _softmax_backward(P, dP, scale):
+    """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale."""
+    B, H, R, T = P.shape
+    for bh in prange(B * H):
+        b, h = bh // H, bh % H
+        for r in range(R):
+            s = 0.0
+            for j in range(T):
+                s += P[b, h, r, j] * dP[b, h, r, j]
+            for j in range(T):
+                dP[b, h, r, j] = P[b, h, r, j] * (dP[b, h, r, j] - s) * scale
+
+
+def _to_groups(u, B, T, Hkv):
+    """(N, Hq, hd) -> (B, Hkv, G*T, hd)."""
+    hd = u.shape[-1]
+    G = u.shape[1] // Hkv
+    return np.ascontiguousarray(u.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4)).reshape(B, Hkv, G * T, hd)
+
+
+def _from_groups(ug, B, T, Hq):
+    """(B, Hkv, G*T, hd) -> (N, Hq, hd)."""
+    Hkv, hd = ug.shape[1], ug.shape[-1]
+    G = Hq // Hkv
+    return np.ascontiguousarray(ug.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4)).reshape(B * T, Hq, hd)
+
+
+def attention_forward(q, k, v, B, T):
+    """q (N, Hq, hd), k and v (N, Hkv, hd), already rotated -> out (N, Hq, hd), cache for backward."""
+    Hq, Hkv, hd = q.shape[1], k.shape[1], q.shape[2]
+    qg = _to_groups(q, B, T, Hkv)                                   # (B, Hkv, G*T, hd)
+    kg = _to_groups(k, B, T, Hkv)                                   # (B, Hkv, T, hd)
+    vg = _to_groups(v, B, T, Hkv)
+    P = np.matmul(qg, kg.transpose(0, 1, 3, 2))                     # scores (B, Hkv, G*T, T)
+    P *= 1.0 / math.sqrt(hd)
+    _causal_softmax(P, T)
+    out = _from_groups(np.matmul(P, vg), B, T, Hq)
+    return out, (qg, kg, vg, P)
+
+
+def attention_backward(dout, cache, B, T):
+    qg, kg, vg, P = cache
+    Hkv, hd = kg.shape[1], kg.shape[3]
+    Hq = dout.shape[1]
+    dog = _to_groups(dout, B, T, Hkv)                               # (B, Hkv, G*T, hd)
+    dvg = np.matmul(P.transpose(0, 1, 3, 2), dog)                   # sums over the G query heads
+    dS = np.matmul(dog, vg.transpose(0, 1, 3, 2))                   # dP, then dS in place
+    _softmax_backward(P, dS, 1.0 / math.sqrt(hd))
+    dqg = np.matmul(dS, kg)
+    dkg = np.matmul(dS.transpose(0, 1, 3, 2), qg)
+    return _from_groups(dqg, B, T, Hq), _from_groups(dkg, B, T, Hkv), _from_groups(dvg, B, T, Hkv)
+
+
+# --- SwiGLU: act = silu(g) * u, with gu = [g | u] from one product against w1|w3 ---
+
+@njit(parallel=True, cache=True)
+def swiglu_forward(gu):
+    N, F2 = gu.shape
+    F = F2 // 2
+    act = np.empty((N, F), gu.dtype)
+    for n in prange(N):
+        for f in range(F):
+            g = gu[n, f]
+            act[n, f] = g / (1.0 + np.exp(-g)) * gu[n, F + f]
+    return act
+
+
+@njit(parallel=True, cache=True)
+def swiglu_backward(dact, gu):
+    N, F = dact.shape
+    dgu = np.empty((N, 2 * F), gu.dtype)
+    for n in prange(N):
+        for f in range(F):
+            g, u = gu[n, f], gu[n, F + f]
+            sig = 1.0 / (1.0 + np.exp(-g))
+            dgu[n, f] = dact[n, f] * u * sig * (1.0 + g * (1.0 - sig))   # silu'(g) = sig (1 + g (1 - sig))
+            dgu[n, F + f] = dact[n, f] * g * sig
+    return dgu
+
+
+# --- cross-entropy with -1 targets ignored, over the n_mtp heads side by side in one logits buffer ---
+
+@njit(parallel=True, cache=True)
+def _xent(logits, targets, scales, losses, want_grad):
+    """logits (N, K*V): head k's logits of row n are logits[n, k*V:(k+1)*V]; targets (K, N), -1 ignored.
+    losses[k, n] = -log softmax[target] (0 when ignored). With want_grad, each head's logits become
+    scales[k] * (softmax - onehot), or 0 where ignored. One exp per logit: the softmax is built in place."""
+    K, N = targets.shape
+    V = logits.shape[1] // K
+    for n in prange(N):
+        for k in range(K):
+            row = logits[n, k * V:(k + 1) * V]
+            t = targets[k, n]
+            if t < 0:
+                losses[k, n] = 0.0
+                if want_grad:
+                    row[:] = 0.0
+                continue
+            m = row[0]
+            for v in range(1, V):
+                m = max(m, row[v])
+            if not want_grad:
+                z = 0.0
+                for v in range(V):
+                    z += np.exp(row[v] - m)
+                losses[k, n] = m + np.log(z) - row[t]
+                continue
+            target_logit = row[t]
+            z = 0.0
+            for v in range(V):
+                e = np.exp(row[v] - m)
+                row[v] = e
+                z += e
+            losses[k, n] = m + np.log(z) - target_logit
+            c = scales[k] / z
+            for v in range(V):
+                row[v] *= c
+            row[t] -= scales[k]
+
+
+def mtp_targets(targets, n_mtp):
+    """targets (B, T) -> (n_mtp, B, T): head k's target at t is targets[t+k] when t+k < T, else -1."""
+    B, T = targets.shape
+    out = np.full((n_mtp, B, T), -1, np.int32)
+    for k in range(n_mtp):
+        out[k, :, :T - k] = targets[:, k:]
+    return out
+
+
+def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True):
+    """Cross-entropy of the MTP heads: head k at position t predicts targets[t+k].
+    logits (N, n_mtp*V). Returns the objective CE_0 + mtp_weight * mean(CE_1..CE_{n-1}) and the per-head
+    means; with want_grad the logits are replaced, in place, by d(objective)/d(logits)."""
+    tk = mtp_targets(targets, n_mtp).reshape(n_mtp, -1)
+    counts = (tk >= 0).sum(1)
+    weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
+    losses = np.empty(tk.shape, np.float64)
+    _xent(logits, tk, (weights / np.maximum(counts, 1)).astype(logits.dtype), losses, want_grad)
+    ces = [float(losses[k].sum() / counts[k]) if counts[k] else 0.0 for k in range(n_mtp)]
+    objective = ces[0] + (mtp_weight * float(np.mean(ces[1:])) if n_mtp > 1 else 0.0)
+    return objective, ces
+
+
+# ----------------------------------------------------------------------------------------------------
+# model: forward saves what backward needs; backward writes the gradients into a Params of the same layout
+
+def _dims(cfg):
+    hd = cfg.head_dim
+    return hd, cfg.n_heads * hd, cfg.n_kv_heads * hd              # hd, Cq = Hq*hd, Ck = Hkv*hd
+
+
+def forward(P, idx, targets=None, want_grad=False):
+    """idx (B, T) int32. Without targets: returns head-0 logits of every position (N, V).
+    With targets: returns (objective, per-head CE, acts); with want_grad the logits in acts hold dlogits."""
+    cfg = P.cfg
+    B, T = idx.shape
+    N = B * T
+    hd, Cq, Ck = _dims(cfg)
+    cos, sin = rope_tables(cfg.ctx, hd, P.flat.dtype)
+    pos = np.tile(np.arange(T, dtype=np.int32), B)
+    x = embedding_forward(P["tok_emb"], idx)
+    layers = []
+    for i in range(cfg.n_layers):
+        L = f"layers.{i}."
+        s = {"x_in": x}
+        h, s["rstd1"] = rmsnorm_forward(x, P[L + "attn_norm"])
+        qkv = h @ P.rows(L + "wq", L + "wv").T                       # (N, Cq + 2 Ck)
+        q = rope_forward(qkv[:, :Cq].reshape(N, cfg.n_heads, hd), pos, cos, sin)
+        k = rope_forward(qkv[:, Cq:Cq + Ck].reshape(N, cfg.n_kv_heads, hd), pos, cos, sin)
+        v = np.ascontiguousarray(qkv[:, Cq + Ck:]).reshape(N, cfg.n_kv_heads, hd)
+        a, s["att"] = attention_forward(q, k, v, B, T)
+        a = a.reshape(N, Cq)
+        x = x + a @ P[L + "wo"].T                                    # forward-Euler step 1
+        s.update(h1=h, a=a, x_mid=x)
+        h, s["rstd2"] = rmsnorm_forward(x, P[L + "ffn_norm"])
+        gu = h @ P.rows(L + "w1", L + "w3").T                        # (N, 2F)
+        act = swiglu_forward(gu)
+        x = x + act @ P[L + "w2"].T                                  # forward-Euler step 2
+        s.update(h2=h, gu=gu, act=act)
+        layers.append(s)
+    hf, rstd_f = rmsnorm_forward(x, P["norm"])
+    if targets is None:
+        return hf @ P["heads.0"].T
+    logits = hf @ P.rows("heads.0", f"heads.{cfg.n_mtp - 1}").T      # (N, n_mtp*V), one GEMM for all heads
+    objective, ces = mtp_loss(logits, targets, cfg.n_mtp, cfg.mtp_weight, want_grad)
+    acts = dict(idx=idx, B=B, T=T, pos=pos, cos=cos, sin=sin, layers=layers, x=x, hf=hf, rstd_f=rstd_f,
+                dlogits=logits)
+    return objective, ces, acts
+
+
+def backward(P, acts, G):
+    cfg = P.cfg
+    B, T = acts["B"], acts["T"]
+    N = B * T
+    hd, Cq, Ck = _dims(cfg)
+    last = f"heads.{cfg.n_mtp - 1}"
+    dlogits, hf = acts["dlogits"], acts["hf"]
+    np.matmul(dlogits.T, hf, out=G.rows("heads.0", last))
+    dhf = dlogits @ P.rows("heads.0", last)
+    dx = np.zeros_like(hf)                                           # gradient of the residual stream
+    rmsnorm_backward(dhf, acts["x"], P["norm"], acts["rstd_f"], dx, G["norm"])
+    pos, cos, sin = acts["pos"], acts["cos"], acts["sin"]
+    for i in reversed(range(cfg.n_layers)):
+        L, s = f"layers.{i}.", acts["layers"][i]
+        # step 2: x = x + swiglu(h2) @ w2.T
+        np.matmul(dx.T, s["act"], out=G[L + "w2"])
+        dgu = swiglu_backward(dx @ P[L + "w2"], s["gu"])
+        np.matmul(dgu.T, s["h2"], out=G.rows(L + "w1", L + "w3"))
+        rmsnorm_backward(dgu @ P.rows(L + "w1", L + "w3"), s["x_mid"], P[L + "ffn_norm"], s["rstd2"],
+                         dx, G[L + "ffn_norm"])
+        # step 1: x = x + attention(h1) @ wo.T
+        np.matmul(dx.T, s["a"], out=G[L + "wo"])
+        da = (dx @ P[L + "wo"]).reshape(N, cfg.n_heads, hd)
+        dq, dk, dv = attention_backward(da, s["att"], B, T)
+        dqkv = np.concatenate([rope_backward(dq, pos, cos, sin).reshape(N, Cq),
+                               rope_backward(dk, pos, cos, sin).reshape(N, Ck), dv.reshape(N, Ck)], axis=1)
+        np.matmul(dqkv.T, s["h1"], out=G.rows(L + "wq", L + "wv"))
+        rmsnorm_backward(dqkv @ P.rows(L + "wq", L + "wv"), s["x_in"], P[L + "attn_norm"], s["rstd1"],
+                         dx, G[L + "attn_norm"])
+    G["tok_emb"][:] = 0
+    embedding_backward(dx, acts["idx"].reshape(-1), G["tok_emb"])
+
+
+def loss_and_grads(P, idx, targets, G=None):
+    """(objective, per-head CE, gradients) for one batch; the gradient buffer may be reused."""
+    objective, ces, acts = forward(P, idx, targets, want_grad=True)
+    G = Params(P.cfg, P.flat.dtype) if G is None else G
+    backward(P, acts, G)
+    return objective, ces, G
+
+
+def forward_loss(P, idx, targets):
+    objective, ces, _ = forward(P, idx, targets)
+    return objective, ces
+
+
+def model_flops_per_token(cfg, T):
+    """Training FLOPs per token: 6 per matrix weight (forward + backward) plus attention's score and value
+    products (6 * 2 * T * D per layer, counting the full T x T products that are computed)."""
+    matrix = num_params(cfg) - cfg.vocab * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim   # no embedding/norms
+    return 6 * matrix + 12 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+
+
+# ----------------------------------------------------------------------------------------------------
+# optimiser: AdamW with decoupled weight decay on matrices and embeddings, global grad-norm clipping,
+# linear warm-up then cosine decay to 10% of the peak rate
+
+def decay_mask(cfg, dtype=np.float32):
+    """1 where weight decay applies (every matrix and the embedding), 0 on norm weights."""
+    mask = Params(cfg, dtype)
+    for name, view in mask.items():
+        view[:] = 0.0 if view.ndim == 1 else 1.0
+    return mask.flat
+
+
+@njit(parallel=True, cache=True)
+def adamw_step(p, g, m, v, mask, lr, beta1, beta2, eps, wd, step, grad_scale):
+    """One AdamW update over the flat buffers; step counts from 1; grad_scale applies the clipping."""
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    for i in prange(p.shape[0]):
+        gi = g[i] * grad_scale
+        m[i] = beta1 * m[i] + (1.0 - beta1) * gi
+        v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi
+        p[i] -= lr * ((m[i] / bc1) / (np.sqrt(v[i] / bc2) + eps) + wd * mask[i] * p[i])
+
+
+def grad_norm(G):
+    return float(np.sqrt(np.dot(G.flat.astype(np.float64), G.flat.astype(np.float64))))
+
+
+def lr_at(step, total_steps, peak_lr, warmup):
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class AdamW:
+    def __init__(self, P, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0):
+        self.m, self.v = Params(P.cfg, P.flat.dtype), Params(P.cfg, P.flat.dtype)
+        self.mask = decay_mask(P.cfg, P.flat.dtype)
+        self.lr, self.beta1, self.beta2, self.eps, self.wd, self.clip = lr, beta1, beta2, eps, weight_decay, clip
+        self.step_count = 0
+
+    def step(self, P, G, lr):
+        """Clips the global gradient norm to self.clip and updates P in place; returns the norm."""
+        norm = grad_norm(G)
+        scale = min(1.0, self.clip / (norm + 1e-6))
+        self.step_count += 1
+        adamw_step(P.flat, G.flat, self.m.flat, self.v.flat, self.mask, lr, self.beta1, self.beta2, self.eps,
+                   self.wd, self.step_count, scale)
+        return norm
+
+
+# ----------------------------------------------------------------------------------------------------
+# data: uint16 token files read through a memmap, a train/validation split, the embedded default corpus
+
+def read_text(path):
+    """A corpus file as str; missing, empty or non-text files end the program with one line."""
+    if not os.path.isfile(path):
+        die(f"data file not found: {path}")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        die(f"data file is empty: {path}")
+    if b"\x00" in raw[:1 << 20]:
+        die(f"data file is not text (NUL bytes): {path}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        die(f"data file is not UTF-8 text ({e.reason} at byte {e.start}): {path}")
+
+
+def load_tokens(path, vocab=None):
+    """A raw little-endian uint16 token file (nanoGPT's train.bin) as a read-only memmap."""
+    if not os.path.isfile(path):
+        die(f"token file not found: {path}")
+    size = os.path.getsize(path)
+    if size == 0:
+        die(f"token file is empty: {path}")
+    if size % 2:
+        die(f"token file has an odd number of bytes, not uint16 tokens: {path}")
+    tokens = np.memmap(path, dtype="<u2", mode="r")
+    if vocab is not None:
+        top = int(tokens[: 1 << 24].max())
+        if top >= vocab:
+            die(f"token file {path} holds id {top}, outside the vocabulary of {vocab}")
+    return tokens
+
+
+def default_corpus():
+    """English prose that ships with the interpreter: the pydoc topics (statements, types, operators)."""
+    from pydoc_data.topics import topics
+    text = f"\n{EOT}\n".join(topics[k].strip() for k in sorted(topics))
+    return text, f"embedded default corpus: Python's pydoc_data topics ({len(text) / 1e6:.2f} MB, no download)"
+
+
+def load_tokenizer(path):
+    try:
+        return bpe.Tokenizer.load(path)
+    except (OSError, ValueError) as e:
+        die(f"bad tokenizer file: {e}")
+
+
+def prepare_data(data_path, vocab, cache_dir):
+    """Text corpus -> (uint16 tokens, tokenizer). A .bin file is taken as tokens and needs a tokenizer
+    beside it (same name, .bpe). Text corpora are tokenised once and cached under cache_dir."""
+    if data_path and data_path.endswith(".bin"):
+        tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
+                         if os.path.isfile(p)), None)
+        if tok_path is None:
+            die(f"no tokenizer for {data_path}: put it beside it as {os.path.basename(data_path)[:-4]}.bpe or tokenizer.bpe")
+        tok = load_tokenizer(tok_path)
+        print(f"data: {data_path} (tokenizer {tok_path})")
+        return load_tokens(data_path, tok.vocab_size), tok
+    if data_path:
+        text, what = read_text(data_path), f"data: {data_path}"
+        key = f"{os.path.basename(data_path)}.{os.path.getsize(data_path)}.{int(os.path.getmtime(data_path))}"
+    else:
+        text, what = default_corpus()
+        key = f"default.{len(text)}"
+    print(what)
+    os.makedirs(cache_dir, exist_ok=True)
+    base = os.path.join(cache_dir, f"{key}.v{vocab}")
+    if os.path.exists(base + ".bin") and os.path.exists(base + ".bpe"):
+        tok = load_tokenizer(base + ".bpe")
+        return load_tokens(base + ".bin", vocab), tok
+    t0 = time.time()
+    tok = bpe.Tokenizer.train(text, vocab, verbose=len(text) > 5e6)
+    ids = np.array(tok.encode(text, allowed_special="all"), dtype=np.uint16)
+    print(f"tokenizer: vocab {vocab}, {len(ids):,} tokens, {len(text.encode()) / len(ids):.2f} bytes/token "
+          f"({time.time() - t0:.1f} s)")
+    tok.save(base + ".bpe.tmp")
+    os.replace(base + ".bpe.tmp", base + ".bpe")
+    with open(base + ".bin.tmp", "wb") as f:
+        f.write(ids.astype("<u2").tobytes())
+    os.replace(base + ".bin.tmp", base + ".bin")
+    return load_tokens(base + ".bin", vocab), tok
+
+
+class Batches:
+    """Random windows of T+1 tokens from one split (the first 1-val_frac of the file trains, the rest
+    validates). The generator state is the data position, saved in checkpoints for exact resumption."""
+
+    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1):
+        n_val = max(T + 2, int(len(tokens) * val_frac))
+        self.tokens = tokens[:len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val:]
+        if len(self.tokens) < T + 2:
+            die(f"{split} split has {len(self.tokens)} tokens, too few for windows of {T}; use more data or a smaller --seq")
+        self.B, self.T = B, T
+        self.rng = np.random.default_rng(seed)
+
+    def next(self):
+        starts = self.rng.integers(0, len(self.tokens) - self.T - 1, self.B)
+        w = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts]).astype(np.int32)
+        return w[:, :-1], w[:, 1:]
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def set_state(self, state):
+        self.rng.bit_generator.state = state
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: one .npz (SPEC.md), written to a temporary file and renamed, so a crash never leaves half
+
+def save_checkpoint(path, P, tok, state=None, extra=None):
+    """state (for resuming): {"step", "adam_m", "adam_v" (Params), "data" (loader state), "train" (args)}."""
+    cfg_json = json.loads(P.cfg.to_json())
+    cfg_json.update(extra or {})
+    arrays = {name: np.asarray(view, np.float32) for name, view in P.items()}
+    arrays["config"] = np.array(json.dumps(cfg_json))
+    arrays["tokenizer"] = np.array(tok.to_string())
+    if state is not None:
+        arrays["step"] = np.array(state["step"], np.int64)
+        for name in P.names:
+            arrays[f"adam_m.{name}"] = np.asarray(state["adam_m"][name], np.float32)
+            arrays[f"adam_v.{name}"] = np.asarray(state["adam_v"][name], np.float32)
+        arrays["train_state"] = np.array(json.dumps({k: state[k] for k in state if k not in ("adam_m", "adam_v")}))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, want_state=False, expect_cfg=None):
+    """-> (Params float32, tokenizer, state or None, config extras). Bad files end with one line."""
+    if not os.path.isfile(path):
+        die(f"checkpoint not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            meta = json.loads(str(z["config"]))
+            cfg = Config.from_json(str(z["config"]))
+            if expect_cfg is not None and cfg != expect_cfg:
+                die(f"checkpoint {path} is for another config ({cfg}), expected {expect_cfg}")
+            P = Params(cfg)
+            for name, view in P.items():
+                if name not in files:
+                    die(f"checkpoint {path} lacks tensor {name}")
+                arr = z[name]
+                if arr.shape != view.shape:
+                    die(f"checkpoint {path}: {name} has shape {arr.shape}, config says {view.shape}")
+                view[:] = arr
+            tok = bpe.Tokenizer.from_string(str(z["tokenizer"]))
+            state = None
+            if want_state and "train_state" in files:
+                state = json.loads(str(z["train_state"]))
+                state["step"] = int(z["step"])
+                state["adam_m"], state["adam_v"] = Params(cfg), Params(cfg)
+                for name in P.names:
+                    state["adam_m"][name][:] = z[f"adam_m.{name}"]
+                    state["adam_v"][name][:] = z[f"adam_v.{name}"]
+    except SystemExit:
+        raise
+    except Exception as e:  # zip, JSON or tokenizer damage: say what, in one line
+        die(f"checkpoint {path} is corrupt or not a NanoEuler checkpoint ({type(e).__name__}: {e})")
+    if tok.vocab_size != cfg.vocab:
+        die(f"checkpoint {path}: tokenizer has {tok.vocab_size} tokens, config says {cfg.vocab}")
+    if not np.isfinite(P.flat).all():
+        die(f"checkpoint {path} holds NaN or infinite weights")
+    extras = {k: v for k, v in meta.items() if k not in asdict(cfg)}
+    return P, tok, state, extras
+
+
+# ----------------------------------------------------------------------------------------------------
+# sampling: head 0 only, with a KV cache of rotated keys and values per layer
+
+def sample_token(logits, temperature, top_k, rng):
+    """One id from a (V,) row of logits: greedy at temperature 0, else softmax(logits / T) over the top k."""
+    logits = np.asarray(logits, np.float64)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits / temperature
+    if top_k and top_k < len(z):
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+    p = np.exp(z - z.max())
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(z) - 1))
+
+
+class KVCache:
+    def __init__(self, cfg, dtype=np.float32):
+        shape = (cfg.n_layers, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
+        self.k, self.v, self.len = np.zeros(shape, dtype), np.zeros(shape, dtype), 0
+
+
+def forward_cached(P, ids, cache):
+    """Runs tokens ids (Tn,) at positions cache.len.. through the model, appending their keys and values
+    to the cache; returns head-0 logits (Tn, V). The same layer ops as training, attention over the cache."""
+    cfg = P.cfg
+    hd, Cq, Ck = _dims(cfg)
+    Hq, Hkv, G = cfg.n_heads, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+    Tn, start = len(ids), cache.len
+    end = start + Tn
+    assert end <= cfg.ctx
+    cos, sin = rope_tables(cfg.ctx, hd, P.flat.dtype)
+    pos = np.arange(start, end, dtype=np.int32)
+    # query row (g, t) sees keys 0..start+t
+    mask = np.arange(end)[None, :] > (start + np.arange(Tn))[:, None]          # (Tn, end)
+    x = embedding_forward(P["tok_emb"], np.asarray(ids, np.int32))
+    for i in range(cfg.n_layers):
+        L = f"layers.{i}."
+        h, _ = rmsnorm_forward(x, P[L + "attn_norm"])
+        qkv = h @ P.rows(L + "wq", L + "wv").T
+        q = rope_forward(qkv[:, :Cq].reshape(Tn, Hq, hd), pos, cos, sin)
+        cache.k[i, :, start:end] = rope_forward(qkv[:, Cq:Cq + Ck].reshape(Tn, Hkv, hd), pos, cos, sin).transpose(1, 0, 2)
+        cache.v[i, :, start:end] = qkv[:, Cq + Ck:].reshape(Tn, Hkv, hd).transpose(1, 0, 2)
+        qg = q.reshape(Tn, Hkv, G, hd).transpose(1, 2, 0, 3)                     # (Hkv, G, Tn, hd)
+        s = np.matmul(qg, cache.k[i, :, None, :end].transpose(0, 1, 3, 2)) / math.sqrt(hd)
+        s[..., mask] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        a = np.matmul(p, cache.v[i, :, None, :end])                             # (Hkv, G, Tn, hd)
+        x = x + a.transpose(2, 0, 1, 3).reshape(Tn, Cq) @ P[L + "wo"].T
+        h, _ = rmsnorm_forward(x, P[L + "ffn_norm"])
+        x = x + swiglu_forward(h @ P.rows(L + "w1", L + "w3").T) @ P[L + "w2"].T
+    cache.len = end
+    hf, _ = rmsnorm_forward(x, P["norm"])
+    return hf @ P["heads.0"].T
+
+
+def check_prompt(n_tokens, ctx):
+    if n_tokens == 0:
+        die("the prompt is empty")
+    if n_tokens >= ctx:
+        die(f"the prompt is {n_tokens} tokens, longer than the context of {ctx} minus one")
+
+
+def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached=True):
+    """Yields up to max_new sampled ids (stops at the context). cached=False reruns the whole sequence
+    through the training forward at every step: slow, kept to check the cache."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    ids = list(prompt_ids)
+    cache = KVCache(P.cfg, P.flat.dtype)
+    logits = forward_cached(P, ids, cache)[-1] if cached else None
+    for _ in range(max_new):
+        if not cached:
+            logits = forward(P, np.array([ids], np.int32))[-1]
+        t = sample_token(logits, temperature, top_k, rng)
+        yield t
+        ids.append(t)
+        if len(ids) >= P.cfg.ctx:
+            return
+        if cached:
+            logits = forward_cached(P, [t], cache)[-1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# supervised fine-tuning: the Alpaca template of SPEC.md, loss on the response and the closing token only
+
+def format_prompt(instruction, input=""):
+    """The template up to and including '### Response:\\n'."""
+    if input:
+        return ("Below is an instruction that describes a task, paired with an input that provides further "
+                "context.\nWrite a response that appropriately completes the request.\n\n"
+                f"### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+    return ("Below is an instruction that describes a task.\nWrite a response that appropriately completes "
+            f"the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def sft_example(tok, ex, T):
+    """-> (ids, targets) of at most T positions; targets[t] = ids[t+1] where that token belongs to the
+    response or its <|endoftext|>, else -1. None when not even one response token fits."""
+    prompt = tok.encode(format_prompt(ex["instruction"], ex.get("input", "")))
+    seq = prompt + tok.encode(ex["output"]) + [tok.eot]
+    seq = seq[:T + 1]
+    if len(seq) <= len(prompt):
+        return None
+    ids = np.array(seq[:-1], np.int32)
+    targets = np.array(seq[1:], np.int32)
+    targets[:len(prompt) - 1] = -1                                  # positions whose next token is prompt
+    return ids, targets
+
+
+def builtin_sft_examples():
+    """A small instruction set that needs no download, made from the embedded corpus: each pydoc topic
+    gives questions whose answers are its opening sentences."""
+    from pydoc_data.topics import topics
+    examples = []
+    for key in sorted(topics):
+        lines = [l.strip() for l in topics[key].strip().splitlines()]
+        title = lines[0]
+        body = " ".join(l for l in lines[1:] if l and not set(l) <= set("*=-^"))
+        sentences = [s.strip() + "." for s in body.split(". ") if len(s.split()) > 3][:2]
+        if not sentences:
+            continue
+        answer = " ".join(sentences)[:400]
+        examples.append({"instruction": f"Explain {title[0].lower() + title[1:]}.", "input": "", "output": answer})
+        examples.append({"instruction": "What is this topic about?", "input": title, "output": answer})
+        examples.append({"instruction": "Give the title of this text.", "input": answer, "output": title})
+    return examples
+
+
+def load_sft_data(path):
+    """Alpaca-style JSON list of {instruction, input, output}; None gives the built-in set."""
+    if path is None:
+        return builtin_sft_examples()
+    if not os.path.isfile(path):
+        die(f"SFT data not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        die(f"SFT data {path} is not valid JSON ({e})")
+    if not isinstance(data, list) or not data or not all(
+            isinstance(d, dict) and isinstance(d.get("instruction"), str) and isinstance(d.get("output"), str)
+            for d in data):
+        die(f"SFT data {path} must be a non-empty JSON list of objects with instruction, input, output")
+    return data
+
+
+class SFTBatches:
+    """Batches of B examples padded to the longest (padding targets -1); same interface as Batches."""
+
+    def __init__(self, tok, examples, B, T, seed=0):
+        encoded = [sft_example(tok, ex, T) for ex in examples]
+        self.examples = [e for e in encoded if e is not None]
+        if not self.examples:
+            die("no SFT example fits the context")
+        self.B, self.eot = B, tok.eot
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, chosen):
+        T = max(len(self.examples[i][0]) for i in chosen)
+        x = np.full((len(chosen), T), self.eot, np.int32)
+        y = np.full((len(chosen), T), -1, np.int32)
+        for r, i in enumerate(chosen):
+            ids, targets = self.examples[i]
+            x[r, :len(ids)], y[r, :len(ids)] = ids, targets
+        return x, y
+
+    def next(self):
+        return self.batch(self.rng.integers(0, len(self.examples), self.B))
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def set_state(self, state):
+        self.rng.bit_generator.state = state
+
+
+# ----------------------------------------------------------------------------------------------------
+# chat: a REPL that streams the model's answer; a chat checkpoint wraps the prompt in the template
+
+def chat_repl(tok, generate_fn, template, max_new, ctx):
+    """generate_fn(prompt_ids, max_new) yields ids. EOF ends the session; Ctrl-C stops only the answer."""
+    import codecs
+    kind = "instruction model: your line is wrapped in the SFT template" if template else \
+        "base model: it continues your text"
+    print(f"chat ({kind}); Ctrl-D ends, Ctrl-C stops an answer", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not line.strip():
+            continue
+        ids = tok.encode(format_prompt(line) if template else line)
+        if len(ids) >= ctx:
+            print(f"error: the prompt is {len(ids)} tokens, longer than the context of {ctx} minus one", flush=True)
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            for t in generate_fn(ids, max_new):
+                if t == tok.eot:
+                    break
+                print(decoder.decode(tok.decode_bytes([t])), end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print(decoder.decode(b"", final=True), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# training: one loop for pretraining and SFT; progress lines, a JSONL log, atomic checkpoints
+
+class StopFlag:
+    """Ctrl-C sets a flag that the loop reads between steps, so a checkpoint never holds half a step."""
+
+    def __init__(self):
+        import signal
+        self.stop = False
+        self.previous = signal.signal(signal.SIGINT, self.handler)
+
+    def handler(self, signum, frame):
+        if self.stop:                                    # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\n[Ctrl-C: finishing this step, then saving a checkpoint]", flush=True)
+
+
+def evaluate(P, tokens, B, T, n_batches, bytes_per_token):
+    """Head-0 validation loss over fixed batches of the validation split, and bits per byte."""
+    val = Batches(tokens, B, T, seed=1234, split="val")
+    losses = [forward_loss(P, *val.next())[1][0] for _ in range(n_batches)]
+    loss = float(np.mean(losses))
+    return loss, loss / math.log(2) / bytes_per_token
+
+
+def bytes_per_token(tok, tokens):
+    sample = np.asarray(tokens[-200_000:])
+    return len(tok.decode_bytes(sample.tolist())) / len(sample)
+
+
+def train_loop(P, tok, batches, args, out_dir, state=None, val_fn=None, sample_prompt="\n", extra=None):
+    """Runs steps state['step'] .. args.steps-1 of AdamW on batches.next(); returns the final val loss.
+    args: steps, lr, warmup, eval_every, sample_every, ckpt_every, stop_after, log_every."""
+    cfg = P.cfg
+    opt = AdamW(P, args["lr"])
+    start = 0
+    if state is not None:
+        opt.m.flat[:], opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
+        opt.step_count = start = state["step"]
+        batches.set_state(state["data"])
+    ckpt_path = os.path.join(out_dir, "ckpt.npz")
+    log = open(os.path.join(out_dir, "train_log.jsonl"), "a")
+    G = Params(cfg, P.flat.dtype)
+    flag = StopFlag()
+    steps, val_loss, t_start = args["steps"], None, time.time()
+
+    def checkpoint(step):
+        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": opt.m, "adam_v": opt.v,
+                                            "data": batches.state(), "train": args}, extra)
+
+    step, tokens_done, t_last = start, 0, time.time()
+    while step < steps:
+        lr = lr_at(step, steps, args["lr"], args["warmup"])
+        x, y = batches.next()
+        t0 = time.time()
+        objective, ces, acts = forward(P, x, y, want_grad=True)
+        if not math.isfinite(objective):
+            die(f"loss is {objective} at step {step}; stopped, the last good checkpoint is kept ({ckpt_path})")
+        backward(P, acts, G)
+        norm = opt.step(P, G, lr)
+        dt = time.time() - t0
+        step += 1
+        tokens_done += x.size
+        rec = {"step": step, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": lr,
+               "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 1), "tok_s": round(x.size / dt)}
+        if val_fn and (step % args["eval_every"] == 0 or step == steps):
+            val_loss, bpb = val_fn(P)
+            rec.update(val_loss=round(val_loss, 5), val_bpb=round(bpb, 5))
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if step % args["log_every"] == 0 or "val_loss" in rec or step == steps:
+            elapsed = time.time() - t_last
+            tps = tokens_done / max(elapsed, 1e-9)
+            eta = (steps - step) * elapsed / max(1, step - start)
+            msg = f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
+            if "val_loss" in rec:
+                msg += f" | val loss {rec['val_loss']:.4f} | val bpb {rec['val_bpb']:.3f}"
+            print(msg, flush=True)
+        if args["sample_every"] and step % args["sample_every"] == 0 and step < steps:
+            show_sample(P, tok, sample_prompt, 64, seed=step)
+        if step % args["ckpt_every"] == 0 and step < steps:
+            checkpoint(step)
+        if flag.stop or (args.get("stop_after") and step - start >= args["stop_after"]):
+            break
+    checkpoint(step)
+    log.close()
+    print(f"checkpoint: {ckpt_path} (step {step}/{steps}, {(time.time() - t_start) / 60:.1f} min)")
+    if flag.stop:
+        sys.exit(130)
+    return val_loss
+
+
+def show_sample(P, tok, prompt, n, seed=0, temperature=0.8, top_k=40):
+    ids = tok.encode(prompt)
+    out = list(generate(P, ids, n, temperature, top_k, np.random.default_rng(seed)))
+    print("--- sample ---\n" + tok.decode(ids + out) + "\n--------------", flush=True)
+
+
+TRAIN_DEFAULTS = dict(steps=2500, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=250, sample_every=1000,
+                      ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None)
+
+
+def cmd_train(a):
+    out_dir = a.out
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt_path = os.path.join(out_dir, "ckpt.npz")
+    given = {k: v for k, v in vars(a).items() if k in TRAIN_DEFAULTS and v is not None}
+    if a.resume:
+        P, tok, state, extra = load_checkpoint(ckpt_path, want_state=True)
+        if state is None:
+            die(f"{ckpt_path} holds no training state to resume")
+        args = {**state["train"], **given}
+        print(f"resuming {ckpt_path} at step {state['step']}/{args['steps']}")
+    else:
+        if os.path.exists(ckpt_path) and not a.force:
+            die(f"{ckpt_path} exists: --resume to continue it, --force to start over, or another --out")
+        cfg = CONFIGS[a.config]
+        args = {**TRAIN_DEFAULTS, **({"lr": 1e-3} if a.config != "small" else {}), **given}
+        state, extra = None, {"kind": "base"}
+    tokens, tok_data = prepare_data(args["data"], (P.cfg if a.resume else cfg).vocab, CACHE)
+    if a.resume:
+        if tok_data.to_string() != tok.to_string():
+            die("the data's tokenizer differs from the checkpoint's; resume with the same --data")
+    else:
+        tok = tok_data
+        P = Params.init(cfg, args["seed"])
+    cfg = P.cfg
+    if args["seq"] > cfg.ctx:
+        die(f"--seq {args['seq']} is longer than the context of {cfg.ctx}")
+    print(f"model: {a.config if not a.resume else 'from checkpoint'} {cfg}, {num_params(cfg):,} parameters")
+    batches = Batches(tokens, args["batch"], args["seq"], seed=args["seed"])
+    bpt = bytes_per_token(tok, tokens)
+    val_fn = lambda P: evaluate(P, tokens, args["batch"], args["seq"], 8, bpt)
+    if not a.resume:
+        loss0, bpb0 = val_fn(P)
+        print(f"step 0: val loss {loss0:.4f}, val bpb {bpb0:.3f}")
+    val_loss = train_loop(P, tok, batches, args, out_dir, state, val_fn, extra=extra)
+    loss, bpb = val_fn(P)
+    print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
+    show_sample(P, tok, "\n", 200, seed=args["seed"])
+
+
+def cmd_sample(a):
+    P, tok, _, _ = load_checkpoint(a.ckpt)
+    ids = tok.encode(a.prompt)
+    check_prompt(len(ids), P.cfg.ctx)
+    rng = np.random.default_rng(a.seed)
+    sys.stdout.write(a.prompt)
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in generate(P, ids, a.tokens, a.temperature, a.top_k, rng):
+        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
+        sys.stdout.flush()
+    print(decoder.decode(b"", final=True))
+
+
+def cmd_sft(a):
+    P, tok, _, extra = load_checkpoint(a.ckpt)
+    examples = load_sft_data(a.data)
+    print(f"SFT data: {a.data or 'built-in instruction set (no download)'}, {len(examples)} examples")
+    rng = np.random.default_rng(a.seed)
+    order = rng.permutation(len(examples))
+    n_val = max(1, len(examples) // 20)
+    train_ex = [examples[i] for i in order[n_val:]]
+    val_ex = [examples[i] for i in order[:n_val]]
+    T = min(a.seq, P.cfg.ctx)
+    batches = SFTBatches(tok, train_ex, a.batch, T, seed=a.seed)
+    val = SFTBatches(tok, val_ex, a.batch, T)
+
+    def val_fn(P):
+        idx = list(range(len(val.examples)))
+        losses = [forward_loss(P, *val.batch(idx[i:i + a.batch]))[1][0] for i in range(0, len(idx), a.batch)]
+        return float(np.mean(losses)), float("nan")
+
+    before = val_fn(P)[0]
+    print(f"SFT validation loss before: {before:.4f}")
+    os.makedirs(a.out, exist_ok=True)
+    ckpt_path = os.path.join(a.out, "ckpt.npz")
+    if os.path.exists(ckpt_path) and not a.force:
+        die(f"{ckpt_path} exists: use another --out or --force")
+    args = dict(TRAIN_DEFAULTS, steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1), eval_every=max(1, a.steps // 5),
+                sample_every=0, ckpt_every=10 ** 9, log_every=10)
+    train_loop(P, tok, batches, args, a.out, None, val_fn, extra={"kind": "chat"})
+    after = val_fn(P)[0]
+    print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
+
+
+def cmd_chat(a):
+    P, tok, _, extra = load_checkpoint(a.ckpt)
+    rng = np.random.default_rng(a.seed)
+    gen = lambda ids, n: generate(P, ids, n, a.temperature, a.top_k, rng)
+    chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bench: training step and sampling speed of `small` at B=8, T=256
+
+def cmd_bench(a):
+    cfg = CONFIGS[a.config]
+    B, T = a.batch, a.seq
+    rng = np.random.default_rng(0)
+    P = Params.init(cfg)
+    opt = AdamW(P, 1e-3)
+    x = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
+    G = Params(cfg)
+    t0 = time.time()
+    loss_and_grads(P, x, y, G)
+    opt.step(P, G, 1e-3)
+    print(f"config {a.config}: {num_params(cfg):,} parameters, B={B}, T={T}; first step (JIT load) {time.time() - t0:.2f} s")
+    for _ in range(2):
+        loss_and_grads(P, x, y, G)
+        opt.step(P, G, 1e-3)
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        loss_and_grads(P, x, y, G)
+        opt.step(P, G, 1e-3)
+        times.append(time.perf_counter() - t0)
+    ms = float(np.median(times)) * 1e3
+    flops = model_flops_per_token(cfg, T) * B * T
+    print(f"train: {ms:.1f} ms/step (median of {a.steps}, min {min(times) * 1e3:.1f}) | "
+          f"{B * T / ms * 1e3:,.0f} tokens/s | {flops / ms / 1e6:.1f} GFLOP/s")
+    n = 128
+    prompt = list(rng.integers(0, cfg.vocab, 16))
+    t0 = time.perf_counter()
+    out = list(generate(P, prompt, n, 0.8, 40, np.random.default_rng(0)))
+    dt = time.perf_counter() - t0
+    print(f"sample: {len(out) / dt:,.0f} tokens/s with the KV cache ({len(out)} tokens after a 16-token prompt)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# main
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):                            # one line, not usage + traceback
+        die(f"{message} (see {self.prog} --help)")
+
+
+def main(argv=None):
+    p = Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU.")
+    sub = p.add_subparsers(dest="mode", metavar="{train,sample,chat,sft,bench}", parser_class=Parser)
+
+    t = sub.add_parser("train", help="pretrain (on the embedded default corpus unless --data)")
+    t.add_argument("config", nargs="?", default="small", choices=["small", "big"],
+                   help="small (1.05M parameters) or big (the ~10M CPU config)")
+    t.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--batch", type=int)
+    t.add_argument("--seq", type=int)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--eval-every", dest="eval_every", type=int)
+    t.add_argument("--sample-every", dest="sample_every", type=int)
+    t.add_argument("--ckpt-every", dest="ckpt_every", type=int)
+    t.add_argument("--stop-after", dest="stop_after", type=int, help="stop (and checkpoint) after N steps of this run")
+    t.add_argument("--out", default="out", help="folder for ckpt.npz and train_log.jsonl (default out)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--force", action="store_true", help="start over even if --out holds a checkpoint")
+
+    s = sub.add_parser("sample", help="generate text from a checkpoint")
+    s.add_argument("--ckpt", default="out/ckpt.npz")
+    s.add_argument("--prompt", default="\n")
+    s.add_argument("--tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", dest="top_k", type=int, default=40)
+    s.add_argument("--seed", type=int, default=0)
+
+    c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)")
+    c.add_argument("--ckpt", default="out/ckpt.npz")
+    c.add_argument("--tokens", type=int, default=200, help="longest answer")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-k", dest="top_k", type=int, default=40)
+    c.add_argument("--seed", type=int, default=0)
+
+    f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)")
+    f.add_argument("--ckpt", default="out/ckpt.npz", help="the base checkpoint")
+    f.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set)")
+    f.add_argument("--steps", type=int, default=300)
+    f.add_argument("--batch", type=int, default=8)
+    f.add_argument("--seq", type=int, default=256)
+    f.add_argument("--lr", type=float, default=1e-3)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", default="out_chat")
+    f.add_argument("--force", action="store_true")
+
+    b = sub.add_parser("bench", help="training and sampling speed")
+    b.add_argument("config", nargs="?", default="small", choices=["small", "big_cpu"])
+    b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--seq", type=int, default=256)
+    b.add_argument("--steps", type=int, default=12)
+
+    a = p.parse_args(argv)
+    if a.mode is None:
+        p.print_help()
+        sys.exit(1)
+    if a.mode == "train" and a.config == "big":
+        a.config = "big_cpu"
+    {"train": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft, "bench": cmd_bench}[a.mode](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,774 @@
+"""
+test_all.py -- the tests of NanoEuler (pytest). `make test` runs them; GPU tests are marked `gpu` and skip
+where CuPy or a device is missing.
+
+Sections: the CPU engine (nanoeuler.py, gradcheck.py) | the tokenizer (bpe.py) | the corpus scripts (data/).
+"""
+import codecs
+import functools
+import http.server
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+import bpe
+import gradcheck
+import nanoeuler as ne
+
+# ====================================================================================================
+# the CPU engine: nanoeuler.py
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_cli(*args, stdin=None, env_extra=None, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, os.path.join(ROOT, "nanoeuler.py"), *map(str, args)], input=stdin,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def assert_one_line_error(r, *words):
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small English text file and a private tokenizer cache."""
+    d = tmp_path_factory.mktemp("corpus")
+    text, _ = ne.default_corpus()
+    path = d / "corpus.txt"
+    path.write_text(text[:150_000], encoding="utf-8")
+    return path, {"NANOEULER_CACHE": str(d / "cache")}
+
+
+def test_configs_match_spec():
+    assert ne.num_params(ne.CONFIGS["small"]) == 1_049_728
+    assert ne.num_params(ne.CONFIGS["big"]) == 116_417_280
+    assert 9e6 < ne.num_params(ne.CONFIGS["big_cpu"]) < 12e6
+    for cfg in ne.CONFIGS.values():                   # F = 8/3 D rounded up to a multiple of 128
+        assert cfg.ffn == -(-8 * cfg.dim // 3 // 128) * 128 or cfg is ne.CONFIGS["tiny"]
+
+
+def test_params_are_views_of_one_buffer():
+    cfg = ne.CONFIGS["tiny"]
+    P = ne.Params.init(cfg, 0)
+    names = [n for n, _ in ne.param_shapes(cfg)]
+    assert names[:3] == ["tok_emb", "layers.0.attn_norm", "layers.0.wq"] and names[-1] == "heads.2"
+    assert P["layers.1.wk"].shape == (cfg.n_kv_heads * cfg.head_dim, cfg.dim)
+    P["layers.1.wk"][0, 0] = 123.0
+    assert 123.0 in P.flat                            # a view, not a copy
+    qkv = P.rows("layers.1.wq", "layers.1.wv")
+    assert qkv.shape == ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
+    assert np.shares_memory(qkv, P.flat)
+    assert np.all(P["norm"] == 1) and abs(P["layers.0.wo"].std() - 0.02 / np.sqrt(2 * cfg.n_layers)) < 2e-3
+
+
+def test_mtp_targets_shift_and_mask():
+    y = np.array([[1, 2, 3, 4], [5, -1, 7, 8]], np.int32)
+    t = ne.mtp_targets(y, 3)
+    assert t[0].tolist() == y.tolist()
+    assert t[1].tolist() == [[2, 3, 4, -1], [-1, 7, 8, -1]]
+    assert t[2].tolist() == [[3, 4, -1, -1], [7, 8, -1, -1]]
+
+
+def test_lr_schedule_warmup_then_cosine_to_ten_percent():
+    lrs = [ne.lr_at(s, 1000, 1.0, 100) for s in range(1000)]
+    assert lrs[0] == pytest.approx(0.01) and lrs[99] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
+    assert ne.lr_at(1000, 1000, 1.0, 100) == pytest.approx(0.1)
+
+
+def test_gradcheck_every_op_and_tensor():
+    ops = gradcheck.check_ops()
+    model = gradcheck.check_model()
+    assert len(model) == len(ne.param_shapes(ne.CONFIGS["tiny"])) + 1
+    for name, err in ops + model:
+        assert err < 1e-4, (name, err)
+
+
+def _drop_term(fn, fix):
+    def broken(*args):
+        out = fn(*args)
+        fix(out, *args)
+        return out
+    return broken
+
+
+BROKEN = {  # op -> (function to replace, broken version): each drops or flips one term
+    "swiglu": ("swiglu_backward", lambda f: _drop_term(f, lambda dgu, dact, gu: dgu.__setitem__(
+        (slice(None), slice(dact.shape[1], None)), 0.0))),
+    "rope": ("rope_backward", lambda f: lambda du, pos, cos, sin: f(du, pos, cos, -sin)),
+    "attention": ("attention_backward", lambda f: lambda dout, cache, B, T: (lambda g: (g[0], 0 * g[1], g[2]))(
+        f(dout, cache, B, T))),
+    "rmsnorm": ("rmsnorm_backward", lambda f: lambda dy, x, w, rstd, dx, dw: f(dy, x, w, rstd * 1.01, dx, dw)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(BROKEN))
+def test_gradcheck_catches_a_broken_backward(monkeypatch, op):
+    name, breaker = BROKEN[op]
+    monkeypatch.setattr(ne, name, breaker(getattr(ne, name)))
+    worst_name, worst = max(gradcheck.check_ops(), key=lambda r: r[1])
+    assert worst > 1e-2 and worst_name.startswith(op + "."), (worst_name, worst)
+    assert max(err for _, err in gradcheck.check_model()) > 1e-2
+
+
+def test_gradcheck_cli_prints_ok():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "gradcheck.py"), "all"], capture_output=True, text=True)
+    assert r.returncode == 0 and ">>> backward OK" in r.stdout, r.stdout + r.stderr
+    assert "layers.2.w2" in r.stdout and "mtp.logits" in r.stdout
+
+
+def test_float32_gradients_match_float64():
+    cfg = ne.CONFIGS["tiny"]
+    P64 = ne.Params.init(cfg, 1, np.float64)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab, (2, 12)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab, (2, 12)).astype(np.int32)
+    l64, _, g64 = ne.loss_and_grads(P64, x, y)
+    l32, _, g32 = ne.loss_and_grads(P64.astype(np.float32), x, y)
+    assert abs(l64 - l32) < 1e-5
+    assert np.abs(g64.flat - g32.flat).max() < 1e-4 * np.abs(g64.flat).max()
+
+
+def test_kv_cache_generation_equals_uncached():
+    cfg = ne.CONFIGS["tiny"]
+    P = ne.Params.init(cfg, 3)
+    for v in P.flat, :
+        v *= 10                                        # a peaked, input-dependent distribution
+    prompt = [5, 17, 42, 7]
+    cached = list(ne.generate(P, prompt, 40, 0.8, 20, np.random.default_rng(7)))
+    uncached = list(ne.generate(P, prompt, 40, 0.8, 20, np.random.default_rng(7), cached=False))
+    assert cached == uncached
+    assert len(set(cached)) > 3
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path):
+    import bpe
+    tok = bpe.Tokenizer.train("hello world, " * 50, 300)
+    cfg = ne.Config(**{**ne.asdict(ne.CONFIGS["tiny"]), "vocab": tok.vocab_size})
+    P = ne.Params.init(cfg, 0)
+    path = tmp_path / "c.npz"
+    ne.save_checkpoint(str(path), P, tok, extra={"kind": "base"})
+    P2, tok2, state, extra = ne.load_checkpoint(str(path))
+    assert np.array_equal(P.flat, P2.flat) and tok2.to_string() == tok.to_string() and extra == {"kind": "base"}
+    assert not list(tmp_path.glob("*.tmp"))
+    with np.load(path) as z:                         # SPEC: float32 tensors by name, config JSON, tokenizer
+        assert z["layers.2.w3"].dtype == np.float32 and json.loads(str(z["config"]))["n_mtp"] == 3
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(path.read_bytes()[:5000])
+    assert_one_line_error(run_cli("sample", "--ckpt", bad, "--prompt", "hi"), "corrupt")
+    other = tmp_path / "other.npz"
+    ne.save_checkpoint(str(other), ne.Params.init(ne.Config(**{**ne.asdict(cfg), "dim": 16}), 0), tok)
+    with pytest.raises(SystemExit):
+        ne.load_checkpoint(str(other), expect_cfg=cfg)
+
+
+def test_bad_input_gets_one_line(tmp_path, corpus):
+    assert_one_line_error(run_cli("fly"), "invalid choice")
+    assert_one_line_error(run_cli("train", "--bogus"), "unrecognized")
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "missing.txt", "--out", tmp_path / "o"), "not found")
+    (tmp_path / "empty.txt").write_text("")
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o"), "empty")
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 10)
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "bin.txt", "--out", tmp_path / "o"), "not text")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    (tmp_path / "odd.bpe").write_text("x")
+    r = run_cli("train", "--data", tmp_path / "odd.bin", "--out", tmp_path / "o")
+    assert_one_line_error(r)
+    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path / "none.npz"), "not found")
+
+
+def _train(out, corpus, *extra):
+    path, env = corpus
+    return run_cli("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
+                   "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env)
+
+
+def _losses(out):
+    return [json.loads(l)["loss"] for l in open(os.path.join(out, "train_log.jsonl"))]
+
+
+def test_resume_is_bit_exact(tmp_path, corpus):
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = _train(a, corpus, "--steps", 8)
+    assert r.returncode == 0, r.stderr
+    assert "1,049,728 parameters" in r.stdout
+    r = _train(b, corpus, "--steps", 8, "--stop-after", 4)
+    assert r.returncode == 0, r.stderr
+    assert len(_losses(b)) == 4
+    r = run_cli("train", "--out", b, "--resume", env_extra=corpus[1])
+    assert r.returncode == 0, r.stderr
+    assert _losses(a) == _losses(b)
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    assert all(np.array_equal(za[k], zb[k]) for k in za.files if k.startswith(("layers", "adam_m")))
+
+
+def test_nan_loss_stops_and_keeps_the_checkpoint(tmp_path, corpus):
+    out = tmp_path / "n"
+    assert _train(out, corpus, "--steps", 2).returncode == 0
+    before = (out / "ckpt.npz").read_bytes()
+    r = run_cli("train", "--out", out, "--resume", "--steps", 50, "--lr", 1e30, env_extra=corpus[1])
+    assert_one_line_error(r, "loss is")
+    assert (out / "ckpt.npz").read_bytes() == before
+
+
+def test_prompt_longer_than_context(tmp_path, corpus):
+    out = tmp_path / "p"
+    assert _train(out, corpus, "--steps", 1).returncode == 0
+    assert_one_line_error(run_cli("sample", "--ckpt", out / "ckpt.npz", "--prompt", "word " * 600), "context")
+
+
+def test_sft_loss_mask_is_exact():
+    import bpe
+    tok = bpe.Tokenizer.train(ne.default_corpus()[0][:50_000], 300)
+    ex = {"instruction": "Say hi.", "input": "", "output": "hi there"}
+    prompt = tok.encode(ne.format_prompt("Say hi."))
+    response = tok.encode("hi there") + [tok.eot]
+    ids, targets = ne.sft_example(tok, ex, 512)
+    assert ids.tolist() == (prompt + response)[:-1]
+    assert targets.tolist() == [-1] * (len(prompt) - 1) + response
+    assert tok.decode(prompt).endswith("### Instruction:\nSay hi.\n\n### Response:\n")
+    with_input = ne.format_prompt("Sum.", "1 2")
+    assert "paired with an input" in with_input and with_input.endswith("### Input:\n1 2\n\n### Response:\n")
+    ids, targets = ne.sft_example(tok, ex, len(prompt) + 1)             # truncated to the context
+    assert len(ids) == len(prompt) + 1 and targets.tolist()[-2:] == response[:2]
+
+
+def test_pretrain_sft_chat_end_to_end(tmp_path):
+    env = {"NANOEULER_CACHE": str(tmp_path / "cache")}
+    base, chat = tmp_path / "base", tmp_path / "chat"
+    r = run_cli("train", "--steps", 30, "--batch", 4, "--seq", 64, "--eval-every", 15, "--out", base, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "embedded default corpus" in r.stdout and "final: val loss" in r.stdout
+    r = run_cli("sft", "--ckpt", base / "ckpt.npz", "--steps", 20, "--batch", 4, "--out", chat, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    before, after = map(float, re.search(r"before ([\d.]+) -> after ([\d.]+)", r.stdout).groups())
+    assert after < before
+    r = run_cli("chat", "--ckpt", chat / "ckpt.npz", "--tokens", 20, stdin="What is a statement?\n" + "x " * 600 + "\n",
+                env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "instruction model" in r.stdout and "longer than the context" in r.stdout
+    r = run_cli("chat", "--ckpt", base / "ckpt.npz", "--tokens", 10, stdin="The\n", env_extra=env)
+    assert r.returncode == 0 and "base model" in r.stdout
+
+
+# ====================================================================================================
+# the tokenizer: bpe.py
+
+BPE_SCRIPT = bpe.__file__
+
+
+def _corpus():
+    """A small mixed corpus: English, accents, CJK, emoji, digits, code-like whitespace."""
+    rng = random.Random(0)
+    words = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café",
+             "東京", "😀", "don't", "it's", "2024", "3.14", "==", "->", "Ünïcödé", "ok")
+    seps = (" ", " ", " ", "  ", "\n", "\n\n", "\t", ", ", ". ")
+    syllables = ("ka", "ri", "to", "mo", "an", "el", "qu", "is", "ßa", "ён", "ng", "th")
+    words += tuple("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(300))
+    return "".join(rng.choice(words) + rng.choice(seps) for _ in range(3000))
+
+
+CORPUS = _corpus()
+TOK = bpe.Tokenizer.train(CORPUS, 400)
+
+
+def _bin_ids(path):
+    return np.fromfile(path, dtype="<u2").tolist()
+
+
+# -- training ------------------------------------------------------------------------------------
+
+def test_known_merges_and_ids():
+    # "aaab" x1 and " aaab" x2: (a,a) counts 6, then (a,b) and (aa,a) tie at 3 -> smaller pair
+    # (97,98) wins, then (aa,ab) 3, then (" ", aaab) 2.
+    tok = bpe.Tokenizer.train("aaab aaab aaab", 261)
+    assert tok.merges == [(97, 97), (97, 98), (256, 257), (32, 258)]
+    assert tok.vocab_size == 261 and tok.eot == 260 and tok.special_id("<|endoftext|>") == 260
+    assert tok.encode("aaab aaab") == [258, 259]
+    assert tok.encode("aaa") == [256, 97]              # left-to-right, non-overlapping
+    assert tok.encode("aaaab") == [256, 256, 98]
+    assert tok.encode("aaab<|endoftext|>", "all") == [258, 260]
+
+
+def test_training_stops_when_pairs_run_out():
+    tok = bpe.Tokenizer.train("ab", 1000)
+    assert tok.merges == [(97, 98)] and tok.vocab_size == 258 and tok.eot == 257
+
+
+def test_special_strings_are_not_learnt():
+    tok = bpe.Tokenizer.train("<|endoftext|>" * 50 + "xy", 300)
+    assert tok.merges == [(120, 121)]
+
+
+def _reference_merges(text, n_merges):
+    """Brute force: full recount every merge, highest count then smallest pair."""
+    words = [[list(p.encode()), c] for p, c in Counter(bpe.GPT2_PATTERN.findall(text)).items()]
+    merges = []
+    for new_id in range(256, 256 + n_merges):
+        counts = Counter()
+        for w, c in words:
+            for pair in zip(w, w[1:]):
+                counts[pair] += c
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for entry in words:
+            w, out, i = entry[0], [], 0
+            while i < len(w):
+                if tuple(w[i:i + 2]) == best:
+                    out.append(new_id)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            entry[0] = out
+    return merges
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_training_matches_brute_force(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["ab", "ba", "aab", "é", "a", "b", " ", "  ", "\n", "!!"])
+                   for _ in range(400))
+    assert bpe.Tokenizer.train(text, 256 + 60 + 1).merges == _reference_merges(text, 60)
+
+
+def test_training_is_deterministic():
+    assert bpe.Tokenizer.train(CORPUS, 400).to_string() == TOK.to_string()
+
+
+def test_compresses_and_ids_in_range():
+    assert TOK.vocab_size == 400 and len(TOK.merges) == 400 - 256 - 1
+    ids = TOK.encode(CORPUS)
+    assert len(CORPUS.encode()) / len(ids) > 2.5
+    assert all(0 <= i < TOK.vocab_size - len(TOK.specials) for i in ids)
+
+
+# -- encode / decode -----------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_round_trip_unicode(s):
+    assert TOK.decode(TOK.encode(s)) == s
+    assert TOK.decode(TOK.encode(s, "all")) == s
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF))))
+@example("\ud800x\udfff \ud83d\ude00")
+def test_round_trip_lone_surrogates(s):
+    assert TOK.decode(TOK.encode(s)) == s
+
+
+def test_round_trip_long_piece_without_spaces():
+    s = "ab" * 1000 + "é" * 300          # pieces longer than MAX_PIECE_BYTES are cut into chunks
+    assert TOK.decode(TOK.encode(s)) == s
+
+
+def test_empty_input():
+    assert TOK.encode("") == [] and TOK.encode("", "all") == []
+    assert TOK.decode([]) == "" and TOK.decode_bytes([]) == b""
+
+
+def test_special_tokens_allowed_or_plain():
+    s = "hello<|endoftext|>world"
+    plain = TOK.encode(s)
+    assert TOK.eot == TOK.vocab_size - 1 and TOK.eot not in plain
+    allowed = TOK.encode(s, "all")
+    assert allowed == TOK.encode("hello") + [TOK.eot] + TOK.encode("world")
+    assert TOK.encode(s, {"<|endoftext|>"}) == allowed
+    assert TOK.decode(plain) == TOK.decode(allowed) == s
+    with pytest.raises(ValueError, match="unknown special"):
+        TOK.encode(s, {"<|nope|>"})
+
+
+def test_several_specials_take_the_last_ids():
+    tok = bpe.Tokenizer.train(CORPUS, 400, specials=("<|endoftext|>", "<|pad|>"))
+    assert (tok.special_id("<|endoftext|>"), tok.special_id("<|pad|>")) == (398, 399)
+    ids = tok.encode("a<|pad|>b<|endoftext|>", {"<|pad|>"})
+    assert 399 in ids and 398 not in ids
+    overlapping = bpe.Tokenizer([], specials=("<|x|>", "<|x|>y"))
+    assert overlapping.encode("<|x|>y<|x|>", "all") == [257, 256]     # longest special wins
+    with pytest.raises(ValueError):
+        bpe.Tokenizer([], specials=("<|a b|>",))
+
+
+def test_decode_never_raises():
+    assert TOK.decode([0xFF, 0xC3]) == "\ufffd\ufffd"            # invalid and truncated UTF-8
+    assert TOK.decode([-1, 10**9, TOK.vocab_size]) == "\ufffd" * 3  # unknown ids
+    assert TOK.decode(np.array([104, 105], dtype=np.uint16)) == "hi"
+
+
+def test_streaming_decode_of_partial_utf8():
+    byte_tok = bpe.Tokenizer([])                  # every byte its own token
+    s = "naïve 東京 😀"
+    ids = byte_tok.encode(s)
+    assert any("\ufffd" in byte_tok.decode([i]) for i in ids)   # single tokens cut characters
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    assert "".join(dec.decode(byte_tok.decode_bytes([i])) for i in ids) == s
+
+
+# -- serialisation -------------------------------------------------------------------------------
+
+def test_save_load_identity(tmp_path):
+    s = TOK.to_string()
+    assert s.splitlines()[0] == "nanoeuler-bpe v1"
+    tok2 = bpe.Tokenizer.from_string(s)
+    assert tok2.to_string() == s and tok2.merges == TOK.merges and tok2.eot == TOK.eot
+    TOK.save(tmp_path / "t.tok")
+    tok3 = bpe.Tokenizer.load(tmp_path / "t.tok")
+    sample = CORPUS[:2000] + "<|endoftext|>"
+    assert tok3.encode(sample, "all") == tok2.encode(sample, "all") == TOK.encode(sample, "all")
+
+
+_GOOD = bpe.Tokenizer.train("aaab aaab aaab", 261).to_string()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "not a tokenizer"),
+    ("hello\nworld\n", "not a tokenizer"),
+    ("nanoeuler-bpe v1\n{not json\n", "line 2"),
+    ("nanoeuler-bpe v1\n{\"vocab_size\": 257}\n", "line 2"),
+    (_GOOD.replace("97 98", "97 x"), "line 4"),
+    (_GOOD.replace("97 98", "-1 98"), "line 4"),
+    (_GOOD.replace("256 257", "256 300"), "not defined"),
+    (_GOOD.rsplit("\n", 2)[0] + "\n", "truncated"),
+])
+def test_corrupt_tokenizer_raises_value_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        bpe.Tokenizer.from_string(text)
+
+
+def test_load_corrupt_file_names_it(tmp_path):
+    (tmp_path / "bad.tok").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="bad.tok"):
+        bpe.Tokenizer.load(tmp_path / "bad.tok")
+
+
+# -- files and command line ----------------------------------------------------------------------
+
+def _tricky_text(n=6000):
+    rng = random.Random(1)
+    parts = ("word", " ", "  ", "\n", "\n\n", "\t", " \n", "'s", "123", "!!", "\r\n", "é", "東京",
+             "<|endoftext|>", "x")
+    return "".join(rng.choice(parts) for _ in range(n))
+
+
+@pytest.mark.parametrize("allow_special", [True, False])
+def test_parallel_file_encoding_equals_whole_text(tmp_path, allow_special):
+    text = _tricky_text()
+    tok = bpe.Tokenizer.train(text, 300)         # learns whitespace-run merges that a bad cut breaks
+    path = tmp_path / "in.txt"
+    path.write_text(text, encoding="utf-8", newline="")
+    size = path.stat().st_size
+    assert len(bpe._chunk_bounds(path, size, 500)) > 20          # really cut into many chunks
+    n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, path, tmp_path / "out.bin", workers=2,
+                                                    allow_special=allow_special, chunk_bytes=500)
+    expected = tok.encode(text, "all" if allow_special else None)
+    assert _bin_ids(tmp_path / "out.bin") == expected
+    assert n_tokens == len(expected) and n_bytes == size
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, BPE_SCRIPT, *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_train_encode_stats(tmp_path):
+    (tmp_path / "c.txt").write_text(CORPUS, encoding="utf-8")
+    r = _cli("train", tmp_path / "c.txt", "--vocab", 400, "-o", tmp_path / "c.tok")
+    assert r.returncode == 0, r.stderr
+    assert bpe.Tokenizer.load(tmp_path / "c.tok").to_string() == TOK.to_string()
+    doc = "one doc<|endoftext|>two doc"
+    (tmp_path / "d.txt").write_text(doc, encoding="utf-8")
+    assert _cli("encode", tmp_path / "c.tok", tmp_path / "d.txt", "-o", tmp_path / "d.bin").returncode == 0
+    assert _bin_ids(tmp_path / "d.bin") == TOK.encode(doc, "all")
+    r = _cli("stats", tmp_path / "c.tok", tmp_path / "c.txt")
+    assert r.returncode == 0 and "bytes/token" in r.stdout
+    for cmd in ("train", "encode", "stats"):
+        assert _cli(cmd, "--help").returncode == 0
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    TOK.save(tmp_path / "t.tok")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.txt").write_bytes(b"abc \xff\xfe\x00\x01" * 10)
+    (tmp_path / "bad.tok").write_text("junk\n")
+    cases = [("encode", tmp_path / "t.tok", tmp_path / "missing.txt", "-o", tmp_path / "o.bin"),
+             ("encode", tmp_path / "t.tok", tmp_path / "binary.txt", "-o", tmp_path / "o.bin"),
+             ("encode", tmp_path / "bad.tok", tmp_path / "empty.txt", "-o", tmp_path / "o.bin"),
+             ("stats", tmp_path / "missing.tok", tmp_path / "empty.txt"),
+             ("stats", tmp_path / "t.tok", tmp_path / "empty.txt"),
+             ("train", tmp_path / "binary.txt", "--vocab", 300, "-o", tmp_path / "o.tok")]
+    for args in cases:
+        r = _cli(*args)
+        assert r.returncode == 1, args
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+    assert not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.tmp").exists()
+
+
+# ====================================================================================================
+# the corpus scripts: data/get_*.sh on local fixtures (no network)
+
+_ROOT = next(p for p in Path(__file__).resolve().parents if (p / "data" / "get_web.sh").is_file())
+_DATA = _ROOT / "data"
+_FIX = _DATA / "fixtures"
+_SEP = "\n<|endoftext|>\n"
+_OFFLINE = "http://127.0.0.1:9/x"  # the discard port: connection refused at once
+_ENV_KEYS = ("GUTENBERG_SOURCE", "GUTENBERG_IDS", "WEB_SOURCE", "ALPACA_SOURCE", "OUT", "FORCE")
+
+
+def _run_data_script(name, out, *args, **env):
+    """Run data/<name> with OUT=out and the given environment overrides."""
+    e = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS}
+    e.update(OUT=str(out), PYTHON=sys.executable, no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
+    e.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", str(_DATA / name), *map(str, args)], env=e,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_one_error_line(r, out):
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert not out.exists()
+    assert not list(out.parent.glob("*.tmp")), "temporary files left behind"
+
+
+def _assert_idempotent(name, out, *args, **env):
+    os.utime(out, ns=(10**18, 10**18))  # an mtime that any rewrite would change
+    before = out.read_bytes()
+    r = _run_data_script(name, out, *args, **env)
+    assert r.returncode == 0, r.stderr
+    assert "already exists" in r.stdout
+    assert out.stat().st_mtime_ns == 10**18 and out.read_bytes() == before
+    r = _run_data_script(name, out, *args, FORCE=1, **env)  # FORCE=1 rebuilds
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_mtime_ns != 10**18 and out.read_bytes() == before
+
+
+@pytest.fixture
+def _fixture_server():
+    """A local HTTP server over data/fixtures; yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(_FIX))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def _docs(text):
+    assert text.endswith(_SEP)
+    docs = text.split(_SEP)[:-1]
+    assert docs and all(d and d == d.strip() and "<|endoftext|>" not in d for d in docs)
+    return docs
+
+
+_GUT = dict(GUTENBERG_SOURCE=_FIX / "gutenberg", GUTENBERG_IDS="1 2 3")
+
+
+def test_data_scripts_parse():
+    for name in ("get_gutenberg.sh", "get_web.sh", "get_alpaca.sh"):
+        r = subprocess.run(["bash", "-n", str(_DATA / name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_data_gutenberg_fixture(tmp_path):
+    out = tmp_path / "gutenberg.txt"
+    r = _run_data_script("get_gutenberg.sh", out, **_GUT)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert [l.split()[0] for l in r.stdout.splitlines()[:3]] == ["[1/3]", "[2/3]", "[3/3]"]
+    text = out.read_text(encoding="utf-8")
+    for gone in ("*** START OF", "*** END OF", "Project Gutenberg", "PROJECT GUTENBERG", "Title:",
+                 "This ebook is for", "Updated editions", "Produced by", "1342.txt", "\r", "\ufeff"):
+        assert gone not in text, gone
+    docs = _docs(text)  # also checks the literal <|endoftext|> inside book 3 was removed
+    assert len(docs) == 3 and text.count("<|endoftext|>") == 3
+    assert docs[0].startswith("CHAPTER I.\nDown the Rabbit-Hole\n")
+    assert "Alice was beginning to get very tired" in docs[0] and docs[0].endswith("close by her.")
+    assert docs[1].startswith("Chapter 1\n\nIt is a truth universally acknowledged")
+    assert docs[1].endswith("of some one or other of their daughters.")
+    assert docs[2].startswith("Letter 1") and docs[2].endswith("success\nof my undertaking.")
+
+
+def test_data_gutenberg_idempotent(tmp_path):
+    out = tmp_path / "gutenberg.txt"
+    assert _run_data_script("get_gutenberg.sh", out, **_GUT).returncode == 0
+    _assert_idempotent("get_gutenberg.sh", out, **_GUT)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_data_gutenberg_skips_book_without_markers(tmp_path):
+    out = tmp_path / "g.txt"
+    r = _run_data_script("get_gutenberg.sh", out, GUTENBERG_SOURCE=_FIX / "gutenberg",
+                         GUTENBERG_IDS="4 1")
+    assert r.returncode == 0 and r.stderr.startswith("warning: book 4"), r.stderr
+    assert len(_docs(out.read_text())) == 1
+    # nothing left at all: an error, and no output
+    r = _run_data_script("get_gutenberg.sh", tmp_path / "h.txt", GUTENBERG_SOURCE=_FIX / "gutenberg",
+                         GUTENBERG_IDS="4")
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:")
+    assert not (tmp_path / "h.txt").exists()
+
+
+@pytest.mark.parametrize("env", [
+    dict(GUTENBERG_SOURCE=_OFFLINE, GUTENBERG_IDS="1 2"),
+    dict(GUTENBERG_SOURCE=_OFFLINE),                          # the built-in list
+    dict(GUTENBERG_SOURCE=_FIX / "gutenberg", GUTENBERG_IDS="1 99"),  # no such book
+    dict(GUTENBERG_SOURCE=_FIX / "gutenberg", GUTENBERG_IDS="1 x"),   # bad id
+    dict(GUTENBERG_SOURCE=_FIX / "no-such-dir"),
+])
+def test_data_gutenberg_fails_cleanly(tmp_path, env):
+    out = tmp_path / "gutenberg.txt"
+    r = _run_data_script("get_gutenberg.sh", out, **env)
+    _assert_one_error_line(r, out)
+    if env["GUTENBERG_SOURCE"] == _OFFLINE:
+        assert r.stderr.startswith(f"error: cannot download {_OFFLINE}/")
+
+
+def test_data_gutenberg_over_http(tmp_path, _fixture_server):
+    # URL layout BASE/ID/pgID.txt: only book 3 of the fixtures is laid out that way
+    out = tmp_path / "g.txt"
+    base = _fixture_server + "/gutenberg/"
+    r = _run_data_script("get_gutenberg.sh", out, GUTENBERG_SOURCE=base, GUTENBERG_IDS="3")
+    assert r.returncode == 0, r.stderr
+    assert _docs(out.read_text())[0].startswith("Letter 1")
+    r = _run_data_script("get_gutenberg.sh", tmp_path / "h.txt", GUTENBERG_SOURCE=base,
+                         GUTENBERG_IDS="3 1")  # 404
+    _assert_one_error_line(r, tmp_path / "h.txt")
+    assert "HTTP error" in r.stderr
+
+
+def _web_expected():
+    duckdb = pytest.importorskip("duckdb")
+    rows = duckdb.connect().execute("SELECT text FROM read_parquet(?)",
+                                    [str(_FIX / "web.parquet")]).fetchall()
+    return [d for d in ((t or "").replace("<|endoftext|>", "").strip() for (t,) in rows) if d]
+
+
+def test_data_web_fixture(tmp_path):
+    expected = _web_expected()
+    out = tmp_path / "web.txt"
+    r = _run_data_script("get_web.sh", out, WEB_SOURCE=_FIX / "web.parquet")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    text = out.read_text(encoding="utf-8")
+    assert _docs(text) == expected and len(expected) == 12  # file order; NULL and blank rows dropped
+    assert text.startswith("Photosynthesis is the process")
+    assert "then add the numerators.  The result" in text  # literal <|endoftext|> removed
+    _assert_idempotent("get_web.sh", out, WEB_SOURCE=_FIX / "web.parquet")
+
+
+def test_data_web_size_limit(tmp_path):
+    expected = _web_expected()
+    out = tmp_path / "web.txt"
+    r = _run_data_script("get_web.sh", out, "0.0005", WEB_SOURCE=_FIX / "web.parquet")  # 500 bytes
+    assert r.returncode == 0, r.stderr
+    data = out.read_bytes()
+    docs = _docs(data.decode())
+    assert docs == expected[:len(docs)] and len(docs) < len(expected)
+    last = len((docs[-1] + _SEP).encode())
+    assert len(data) >= 500 > len(data) - last  # stops at the first document reaching the limit
+
+
+def test_data_web_over_http(tmp_path, _fixture_server):
+    # needs DuckDB's httpfs extension; the script would download it, which can hang on a
+    # firewalled machine, so run only where it is already installed
+    expected = _web_expected()
+    import duckdb
+    if not duckdb.connect().execute("SELECT installed FROM duckdb_extensions() "
+                                    "WHERE extension_name = 'httpfs'").fetchone()[0]:
+        pytest.skip("DuckDB httpfs extension not installed")
+    out = tmp_path / "web.txt"
+    r = _run_data_script("get_web.sh", out, WEB_SOURCE=_fixture_server + "/web.parquet")
+    if r.returncode == 0:
+        assert _docs(out.read_text()) == expected
+    else:
+        _assert_one_error_line(r, out)
+
+
+@pytest.mark.parametrize("source,args", [(_OFFLINE + ".parquet", ()), (_FIX / "nothing.parquet", ()),
+                                         (_FIX / "alpaca.json", ()), (_FIX / "web.parquet", ("0",))])
+def test_data_web_fails_cleanly(tmp_path, source, args):
+    # without duckdb installed the one line is the pip hint, so this runs either way
+    out = tmp_path / "web.txt"
+    r = _run_data_script("get_web.sh", out, *args, WEB_SOURCE=source)
+    _assert_one_error_line(r, out)
+
+
+def test_data_web_without_duckdb(tmp_path):
+    fake = tmp_path / "fake"
+    (fake / "duckdb").mkdir(parents=True)
+    (fake / "duckdb" / "__init__.py").write_text("raise ImportError('No module named duckdb')\n")
+    out = tmp_path / "web.txt"
+    r = _run_data_script("get_web.sh", out, WEB_SOURCE=_FIX / "web.parquet", PYTHONPATH=fake)
+    _assert_one_error_line(r, out)
+    assert "pip install duckdb" in r.stderr
+
+
+def test_data_alpaca_fixture(tmp_path):
+    out = tmp_path / "alpaca.json"
+    r = _run_data_script("get_alpaca.sh", out, ALPACA_SOURCE=_FIX / "alpaca.json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "5 examples" in r.stdout
+    assert out.read_bytes() == (_FIX / "alpaca.json").read_bytes()
+    data = json.loads(out.read_text())
+    assert len(data) == 5 and all(set(ex) >= {"instruction", "input", "output"} for ex in data)
+    _assert_idempotent("get_alpaca.sh", out, ALPACA_SOURCE=_FIX / "alpaca.json")
+
+
+@pytest.mark.parametrize("bad", [
+    '[{"instruction": "a", "input": "", "output": "b"},',      # truncated
+    '{"instruction": "a", "input": "", "output": "b"}',        # not a list
+    "[]",                                                      # empty
+    '[{"instruction": "a", "input": "", "output": "b"}, "x"]',  # entry not an object
+    '[{"instruction": "a", "input": ""}]',                     # no output
+    '[{"instruction": "a", "input": null, "output": "b"}]',    # input not a string
+    "",                                                        # empty file
+])
+def test_data_alpaca_rejects_malformed(tmp_path, bad):
+    src = tmp_path / "src" / "bad.json"
+    src.parent.mkdir()
+    src.write_text(bad)
+    out = tmp_path / "alpaca.json"
+    _assert_one_error_line(_run_data_script("get_alpaca.sh", out, ALPACA_SOURCE=src), out)
+
+
+def test_data_alpaca_over_http(tmp_path, _fixture_server):
+    out = tmp_path / "alpaca.json"
+    r = _run_data_script("get_alpaca.sh", out, ALPACA_SOURCE=_fixture_server + "/alpaca.json")
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == (_FIX / "alpaca.json").read_bytes()
+    r = _run_data_script("get_alpaca.sh", tmp_path / "b.json", ALPACA_SOURCE=_fixture_server + "/no.json")
+    _assert_one_error_line(r, tmp_path / "b.json")
+
+
+@pytest.mark.parametrize("source", [_OFFLINE, _FIX / "nothing.json"])
+def test_data_alpaca_fails_cleanly(tmp_path, source):
+    out = tmp_path / "alpaca.json"
+    r = _run_data_script("get_alpaca.sh", out, ALPACA_SOURCE=source)
+    _assert_one_error_line(r, out)
