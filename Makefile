@@ -1,5 +1,6 @@
 # NanoEuler entry points. PYTHON=... picks the interpreter.
 PYTHON ?= python3
+export PIP_ROOT_USER_ACTION := ignore
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
 .PHONY: all setup setup-test warm check test train train-big bench data clean

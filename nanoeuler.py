@@ -26,7 +26,8 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import numpy as np
 
 try:
-    from numba import njit, prange
+    from numba import njit, prange, types
+    from numba.extending import overload
 except ImportError:  # one clear line instead of a traceback
     sys.exit("error: numba is not installed (pip install -r requirements.txt)")
 
@@ -151,6 +152,36 @@ class Params:
 
 
 # ----------------------------------------------------------------------------------------------------
+# exp: the scalar exp of libm does not vectorise and dominated the float32 kernels. In float32, exp(x) is
+# 2^n * 2^f with n = round(x log2 e) and 2^f, |f| <= 1/2, by its Taylor polynomial of degree 7 (relative
+# error ~1e-7, float32 rounding); 2^n comes from a table. In float64 (the gradient checks) it is the exact
+# np.exp, so the checks see the true function.
+
+_POW2 = np.ldexp(np.float32(1), np.arange(-127, 128)).astype(np.float32)
+_EXP2_TAYLOR = [math.log(2) ** k / math.factorial(k) for k in range(8)]
+
+
+def fexp(x):
+    return math.exp(x)
+
+
+@overload(fexp, jit_options={"fastmath": True})
+def _fexp(x):
+    if x != types.float32:
+        return lambda x: np.exp(x)
+    c0, c1, c2, c3, c4, c5, c6, c7 = [np.float32(c) for c in _EXP2_TAYLOR]
+
+    def exp32(x):
+        t = min(max(x * np.float32(1.4426950408889634), np.float32(-126.0)), np.float32(126.0))
+        n = np.floor(t + np.float32(0.5))
+        f = t - n
+        p = c0 + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (c6 + f * c7))))))
+        i = min(max(np.int32(n) + 127, 0), 254)       # integer clamp: a NaN x must not index outside
+        return p * _POW2[i]
+    return exp32
+
+
+# ----------------------------------------------------------------------------------------------------
 # layers: each forward next to its backward. N = B*T rows; kernels work in the dtype they are given
 # (float32 to train, float64 for the gradient check); reductions accumulate in float64.
 
@@ -172,7 +203,7 @@ def embedding_backward(dx, idx, dtok_emb):
 
 # --- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ---
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def _rmsnorm_fwd(x, w, y, rstd):
     N, D = x.shape
     for n in prange(N):
@@ -191,7 +222,7 @@ def rmsnorm_forward(x, w):
     return y, rstd
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def rmsnorm_backward(dy, x, w, rstd, dx, dw):
     """dx += d/dx (accumulates into the residual gradient); dw = sum_n dy * x * rstd.
     With g = dy*w: dx = r*g - r^3 * x * mean(g*x)."""
@@ -251,40 +282,42 @@ def rope_backward(du, pos, cos, sin):
 # so each kv head's G query heads form one tall matrix and the score products are plain batched GEMMs
 # (numpy -> BLAS) with no copy of k or v per query head.
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def _causal_softmax(S, T):
     """S (B, Hkv, G*T, T) scores -> probabilities in place; row r is position t = r % T, sees 0..t."""
     B, H, R, _ = S.shape
     for bh in prange(B * H):
-        b, h = bh // H, bh % H
         for r in range(R):
+            row = S[bh // H, bh % H, r]
             t = r % T
-            m = S[b, h, r, 0]
+            m = row[0]
             for j in range(1, t + 1):
-                m = max(m, S[b, h, r, j])
+                m = max(m, row[j])
             z = 0.0
             for j in range(t + 1):
-                e = np.exp(S[b, h, r, j] - m)
-                S[b, h, r, j] = e
+                e = fexp(row[j] - m)
+                row[j] = e
                 z += e
+            inv = 1.0 / z
             for j in range(t + 1):
-                S[b, h, r, j] /= z
-            for j in range(t + 1, T):
-                S[b, h, r, j] = 0.0
+                row[j] *= inv
+            row[t + 1:] = 0.0
 
 
-@njit(parallel=True, cache=True)
-def _softmax_backward(P, dP, scale):
-    """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale."""
-    B, H, R, T = P.shape
+@njit(parallel=True, cache=True, fastmath=True)
+def _softmax_backward(P, dP, scale, T):
+    """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale; causal."""
+    B, H, R, _ = P.shape
     for bh in prange(B * H):
-        b, h = bh // H, bh % H
         for r in range(R):
+            p, d = P[bh // H, bh % H, r], dP[bh // H, bh % H, r]
+            t = r % T
             s = 0.0
-            for j in range(T):
-                s += P[b, h, r, j] * dP[b, h, r, j]
-            for j in range(T):
-                dP[b, h, r, j] = P[b, h, r, j] * (dP[b, h, r, j] - s) * scale
+            for j in range(t + 1):
+                s += p[j] * d[j]
+            for j in range(t + 1):
+                d[j] = p[j] * (d[j] - s) * scale
+            d[t + 1:] = 0.0
 
 
 def _to_groups(u, B, T, Hkv):
@@ -321,7 +354,7 @@ def attention_backward(dout, cache, B, T):
     dog = _to_groups(dout, B, T, Hkv)                               # (B, Hkv, G*T, hd)
     dvg = np.matmul(P.transpose(0, 1, 3, 2), dog)                   # sums over the G query heads
     dS = np.matmul(dog, vg.transpose(0, 1, 3, 2))                   # dP, then dS in place
-    _softmax_backward(P, dS, 1.0 / math.sqrt(hd))
+    _softmax_backward(P, dS, 1.0 / math.sqrt(hd), T)
     dqg = np.matmul(dS, kg)
     dkg = np.matmul(dS.transpose(0, 1, 3, 2), qg)
     return _from_groups(dqg, B, T, Hq), _from_groups(dkg, B, T, Hkv), _from_groups(dvg, B, T, Hkv)
@@ -329,7 +362,7 @@ def attention_backward(dout, cache, B, T):
 
 # --- SwiGLU: act = silu(g) * u, with gu = [g | u] from one product against w1|w3 ---
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def swiglu_forward(gu):
     N, F2 = gu.shape
     F = F2 // 2
@@ -337,18 +370,18 @@ def swiglu_forward(gu):
     for n in prange(N):
         for f in range(F):
             g = gu[n, f]
-            act[n, f] = g / (1.0 + np.exp(-g)) * gu[n, F + f]
+            act[n, f] = g / (1 + fexp(-g)) * gu[n, F + f]
     return act
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def swiglu_backward(dact, gu):
     N, F = dact.shape
     dgu = np.empty((N, 2 * F), gu.dtype)
     for n in prange(N):
         for f in range(F):
             g, u = gu[n, f], gu[n, F + f]
-            sig = 1.0 / (1.0 + np.exp(-g))
+            sig = 1 / (1 + fexp(-g))
             dgu[n, f] = dact[n, f] * u * sig * (1.0 + g * (1.0 - sig))   # silu'(g) = sig (1 + g (1 - sig))
             dgu[n, F + f] = dact[n, f] * g * sig
     return dgu
@@ -356,7 +389,7 @@ def swiglu_backward(dact, gu):
 
 # --- cross-entropy with -1 targets ignored, over the n_mtp heads side by side in one logits buffer ---
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=True)
 def _xent(logits, targets, scales, losses, want_grad):
     """logits (N, K*V): head k's logits of row n are logits[n, k*V:(k+1)*V]; targets (K, N), -1 ignored.
     losses[k, n] = -log softmax[target] (0 when ignored). With want_grad, each head's logits become
@@ -378,13 +411,13 @@ def _xent(logits, targets, scales, losses, want_grad):
             if not want_grad:
                 z = 0.0
                 for v in range(V):
-                    z += np.exp(row[v] - m)
+                    z += fexp(row[v] - m)
                 losses[k, n] = m + np.log(z) - row[t]
                 continue
             target_logit = row[t]
             z = 0.0
             for v in range(V):
-                e = np.exp(row[v] - m)
+                e = fexp(row[v] - m)
                 row[v] = e
                 z += e
             losses[k, n] = m + np.log(z) - target_logit
@@ -599,7 +632,7 @@ def load_tokens(path, vocab=None):
         die(f"token file has an odd number of bytes, not uint16 tokens: {path}")
     tokens = np.memmap(path, dtype="<u2", mode="r")
     if vocab is not None:
-        top = int(tokens[: 1 << 24].max())
+        top = int(tokens.max())
         if top >= vocab:
             die(f"token file {path} holds id {top}, outside the vocabulary of {vocab}")
     return tokens
@@ -620,8 +653,9 @@ def load_tokenizer(path):
 
 
 def prepare_data(data_path, vocab, cache_dir):
-    """Text corpus -> (uint16 tokens, tokenizer). A .bin file is taken as tokens and needs a tokenizer
-    beside it (same name, .bpe). Text corpora are tokenised once and cached under cache_dir."""
+    """Corpus -> (uint16 tokens, tokenizer of at most vocab ids). A .bin file is taken as tokens and needs
+    its tokenizer beside it (NAME.bpe or tokenizer.bpe); a text file (or the embedded default, for None) is
+    tokenised once and cached under cache_dir."""
     if data_path and data_path.endswith(".bin"):
         tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
                          if os.path.isfile(p)), None)
@@ -643,15 +677,20 @@ def prepare_data(data_path, vocab, cache_dir):
         tok = load_tokenizer(base + ".bpe")
         return load_tokens(base + ".bin", vocab), tok
     t0 = time.time()
-    tok = bpe.Tokenizer.train(text, vocab, verbose=len(text) > 5e6)
-    ids = np.array(tok.encode(text, allowed_special="all"), dtype=np.uint16)
-    print(f"tokenizer: vocab {vocab}, {len(ids):,} tokens, {len(text.encode()) / len(ids):.2f} bytes/token "
-          f"({time.time() - t0:.1f} s)")
+    # the tokenizer learns its merges from the first 20 MB: enough for a 4096 vocabulary, and quick
+    tok = bpe.Tokenizer.train(text[:20_000_000], vocab, verbose=len(text) > 5e6)
+    if data_path:                                    # every core, streamed from the file
+        n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, data_path, base + ".bin", verbose=len(text) > 5e6)
+    else:
+        ids = np.array(tok.encode(text, allowed_special="all"), dtype="<u2")
+        with open(base + ".bin.tmp", "wb") as f:
+            f.write(ids.tobytes())
+        os.replace(base + ".bin.tmp", base + ".bin")
+        n_tokens, n_bytes = len(ids), len(text.encode())
     tok.save(base + ".bpe.tmp")
     os.replace(base + ".bpe.tmp", base + ".bpe")
-    with open(base + ".bin.tmp", "wb") as f:
-        f.write(ids.astype("<u2").tobytes())
-    os.replace(base + ".bin.tmp", base + ".bin")
+    print(f"tokenizer: vocab {tok.vocab_size}, {n_tokens:,} tokens, {n_bytes / n_tokens:.2f} bytes/token "
+          f"({time.time() - t0:.1f} s)")
     return load_tokens(base + ".bin", vocab), tok
 
 
@@ -736,8 +775,8 @@ def load_checkpoint(path, want_state=False, expect_cfg=None):
         raise
     except Exception as e:  # zip, JSON or tokenizer damage: say what, in one line
         die(f"checkpoint {path} is corrupt or not a NanoEuler checkpoint ({type(e).__name__}: {e})")
-    if tok.vocab_size != cfg.vocab:
-        die(f"checkpoint {path}: tokenizer has {tok.vocab_size} tokens, config says {cfg.vocab}")
+    if tok.vocab_size > cfg.vocab:
+        die(f"checkpoint {path}: tokenizer has {tok.vocab_size} tokens, more than the config's {cfg.vocab}")
     if not np.isfinite(P.flat).all():
         die(f"checkpoint {path} holds NaN or infinite weights")
     extras = {k: v for k, v in meta.items() if k not in asdict(cfg)}
@@ -987,61 +1026,90 @@ def bytes_per_token(tok, tokens):
     return len(tok.decode_bytes(sample.tolist())) / len(sample)
 
 
-def train_loop(P, tok, batches, args, out_dir, state=None, val_fn=None, sample_prompt="\n", extra=None):
-    """Runs steps state['step'] .. args.steps-1 of AdamW on batches.next(); returns the final val loss.
-    args: steps, lr, warmup, eval_every, sample_every, ckpt_every, stop_after, log_every."""
-    cfg = P.cfg
-    opt = AdamW(P, args["lr"])
-    start = 0
-    if state is not None:
-        opt.m.flat[:], opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
-        opt.step_count = start = state["step"]
-        batches.set_state(state["data"])
+class Trainer:
+    """The CPU engine's side of train_loop: step() runs one AdamW step, results() hands back the losses.
+    The GPU engine has a class with the same methods whose steps run ahead of the host."""
+    sync_every_step = True
+
+    def __init__(self, P, state=None):
+        self.P, self.G, self.opt, self.pending = P, Params(P.cfg, P.flat.dtype), AdamW(P, 0.0), []
+        if state is not None:
+            self.opt.m.flat[:], self.opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
+            self.opt.step_count = state["step"]
+
+    def step(self, x, y, lr):
+        objective, ces, acts = forward(self.P, x, y, want_grad=True)
+        norm = float("nan")
+        if math.isfinite(objective):                     # a NaN step changes nothing; the loop stops on it
+            backward(self.P, acts, self.G)
+            norm = self.opt.step(self.P, self.G, lr)
+        self.pending.append((objective, ces, norm))
+
+    def results(self):
+        """[(objective, per-head CE, grad norm)] of the steps since the last call."""
+        done, self.pending = self.pending, []
+        return done
+
+    def host_state(self):
+        """(parameters, Adam m, Adam v) as host Params, for checkpoints and samples."""
+        return self.P, self.opt.m, self.opt.v
+
+
+def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0):
+    """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
+    a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
+    args: steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
+    val_fn() -> (val loss, bits per byte). Returns the last validation loss."""
     ckpt_path = os.path.join(out_dir, "ckpt.npz")
     log = open(os.path.join(out_dir, "train_log.jsonl"), "a")
-    G = Params(cfg, P.flat.dtype)
     flag = StopFlag()
     steps, val_loss, t_start = args["steps"], None, time.time()
 
     def checkpoint(step):
-        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": opt.m, "adam_v": opt.v,
-                                            "data": batches.state(), "train": args}, extra)
+        P, m, v = trainer.host_state()
+        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
+                                            "train": args}, extra)
 
-    step, tokens_done, t_last = start, 0, time.time()
+    step, pending, t_last = start, [], time.time()
     while step < steps:
         lr = lr_at(step, steps, args["lr"], args["warmup"])
         x, y = batches.next()
-        t0 = time.time()
-        objective, ces, acts = forward(P, x, y, want_grad=True)
-        if not math.isfinite(objective):
-            die(f"loss is {objective} at step {step}; stopped, the last good checkpoint is kept ({ckpt_path})")
-        backward(P, acts, G)
-        norm = opt.step(P, G, lr)
-        dt = time.time() - t0
+        trainer.step(x, y, lr)
         step += 1
-        tokens_done += x.size
-        rec = {"step": step, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": lr,
-               "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 1), "tok_s": round(x.size / dt)}
-        if val_fn and (step % args["eval_every"] == 0 or step == steps):
-            val_loss, bpb = val_fn(P)
-            rec.update(val_loss=round(val_loss, 5), val_bpb=round(bpb, 5))
-        log.write(json.dumps(rec) + "\n")
+        pending.append((step, lr, x.size))
+        stopping = flag.stop or (args.get("stop_after") and step - start >= args["stop_after"])
+        evaluating = val_fn is not None and (step % args["eval_every"] == 0 or step == steps)
+        saving = step % args["ckpt_every"] == 0 or step == steps or stopping
+        printing = step % args["log_every"] == 0 or step == steps or evaluating
+        if not (trainer.sync_every_step or printing or saving or stopping):
+            continue
+        # read back the steps since the last sync: the device may have run ahead of the host until here
+        results, now = trainer.results(), time.time()
+        dt = (now - t_last) / len(pending)
+        for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
+            if not math.isfinite(objective):
+                die(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept ({ckpt_path})")
+            rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
+                   "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt)}
+            if s == step and evaluating:
+                val_loss, bpb = val_fn()
+                rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}))
+            log.write(json.dumps(rec) + "\n")
         log.flush()
-        if step % args["log_every"] == 0 or "val_loss" in rec or step == steps:
-            elapsed = time.time() - t_last
-            tps = tokens_done / max(elapsed, 1e-9)
-            eta = (steps - step) * elapsed / max(1, step - start)
-            msg = f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | ETA {eta / 60:.1f} min"
-            if "val_loss" in rec:
-                msg += f" | val loss {rec['val_loss']:.4f} | val bpb {rec['val_bpb']:.3f}"
+        if printing:
+            eta = (steps - step) * (time.time() - t_start) / (step - start)
+            msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {n_tokens / dt:,.0f} tok/s | "
+                   f"ETA {eta / 60:.1f} min")
+            if evaluating:
+                msg += f" | val loss {rec['val_loss']:.4f}" + (f" | val bpb {rec['val_bpb']:.3f}" if "val_bpb" in rec else "")
             print(msg, flush=True)
-        if args["sample_every"] and step % args["sample_every"] == 0 and step < steps:
-            show_sample(P, tok, sample_prompt, 64, seed=step)
-        if step % args["ckpt_every"] == 0 and step < steps:
+        if args.get("sample_every") and step % args["sample_every"] == 0 and step < steps:
+            show_sample(trainer.host_state()[0], tok, "\n", 64, seed=step)
+        if saving:
             checkpoint(step)
-        if flag.stop or (args.get("stop_after") and step - start >= args["stop_after"]):
+        pending, t_last = [], time.time()
+        if stopping:
             break
-    checkpoint(step)
     log.close()
     print(f"checkpoint: {ckpt_path} (step {step}/{steps}, {(time.time() - t_start) / 60:.1f} min)")
     if flag.stop:
@@ -1059,42 +1127,50 @@ TRAIN_DEFAULTS = dict(steps=2500, batch=8, seq=256, lr=3e-3, warmup=100, eval_ev
                       ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None)
 
 
-def cmd_train(a):
-    out_dir = a.out
-    os.makedirs(out_dir, exist_ok=True)
-    ckpt_path = os.path.join(out_dir, "ckpt.npz")
-    given = {k: v for k, v in vars(a).items() if k in TRAIN_DEFAULTS and v is not None}
-    if a.resume:
+def start_run(a, defaults, resume):
+    """The start of a training run, shared by both engines. Fresh: the config defaults['config'], SPEC init.
+    Resumed: the checkpoint in a.out with its optimiser state and its own arguments (flags given now
+    override them; --stop-after applies to this run only). -> (P, tok, tokens, args, state, extra)."""
+    os.makedirs(a.out, exist_ok=True)
+    ckpt_path = os.path.join(a.out, "ckpt.npz")
+    given = {k: v for k, v in vars(a).items() if k in defaults and v is not None}
+    if resume:
+        given.pop("config", None)                        # the checkpoint knows its config
         P, tok, state, extra = load_checkpoint(ckpt_path, want_state=True)
         if state is None:
             die(f"{ckpt_path} holds no training state to resume")
-        args = {**state["train"], **given}
+        args = {**defaults, **state["train"], **given, "stop_after": given.get("stop_after", 0)}
         print(f"resuming {ckpt_path} at step {state['step']}/{args['steps']}")
     else:
         if os.path.exists(ckpt_path) and not a.force:
-            die(f"{ckpt_path} exists: --resume to continue it, --force to start over, or another --out")
-        cfg = CONFIGS[a.config]
-        args = {**TRAIN_DEFAULTS, **({"lr": 1e-3} if a.config != "small" else {}), **given}
-        state, extra = None, {"kind": "base"}
-    tokens, tok_data = prepare_data(args["data"], (P.cfg if a.resume else cfg).vocab, CACHE)
-    if a.resume:
-        if tok_data.to_string() != tok.to_string():
-            die("the data's tokenizer differs from the checkpoint's; resume with the same --data")
-    else:
-        tok = tok_data
-        P = Params.init(cfg, args["seed"])
-    cfg = P.cfg
+            die(f"{ckpt_path} exists: resume it, start over with --force, or pick another --out")
+        args, state, extra = {**defaults, **given}, None, {"kind": "base"}
+    cfg = P.cfg if resume else CONFIGS[args["config"]]
+    tokens, tok_data = prepare_data(args["data"], cfg.vocab, CACHE)
+    if resume and tok_data.to_string() != tok.to_string():
+        die("the data's tokenizer differs from the checkpoint's; resume with the same --data")
+    if not resume:
+        tok, P = tok_data, Params.init(cfg, args["seed"])
+    if min(args["batch"], args["seq"], args["steps"]) < 1:
+        die("--batch, --seq and --steps must be positive")
     if args["seq"] > cfg.ctx:
         die(f"--seq {args['seq']} is longer than the context of {cfg.ctx}")
-    print(f"model: {a.config if not a.resume else 'from checkpoint'} {cfg}, {num_params(cfg):,} parameters")
+    print(f"model: {args['config']} {cfg}, {num_params(cfg):,} parameters")
+    return P, tok, tokens, args, state, extra
+
+
+def cmd_train(a):
+    defaults = dict(TRAIN_DEFAULTS, config=a.config, **({"lr": 1e-3} if a.config != "small" else {}))
+    P, tok, tokens, args, state, extra = start_run(a, defaults, a.resume)
     batches = Batches(tokens, args["batch"], args["seq"], seed=args["seed"])
+    if state is not None:
+        batches.set_state(state["data"])
     bpt = bytes_per_token(tok, tokens)
-    val_fn = lambda P: evaluate(P, tokens, args["batch"], args["seq"], 8, bpt)
-    if not a.resume:
-        loss0, bpb0 = val_fn(P)
-        print(f"step 0: val loss {loss0:.4f}, val bpb {bpb0:.3f}")
-    val_loss = train_loop(P, tok, batches, args, out_dir, state, val_fn, extra=extra)
-    loss, bpb = val_fn(P)
+    val_fn = lambda: evaluate(P, tokens, args["batch"], args["seq"], 8, bpt)
+    if state is None:
+        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()))
+    train_loop(Trainer(P, state), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0)
+    loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
     show_sample(P, tok, "\n", 200, seed=args["seed"])
 
@@ -1126,12 +1202,12 @@ def cmd_sft(a):
     batches = SFTBatches(tok, train_ex, a.batch, T, seed=a.seed)
     val = SFTBatches(tok, val_ex, a.batch, T)
 
-    def val_fn(P):
+    def val_fn():
         idx = list(range(len(val.examples)))
         losses = [forward_loss(P, *val.batch(idx[i:i + a.batch]))[1][0] for i in range(0, len(idx), a.batch)]
-        return float(np.mean(losses)), float("nan")
+        return float(np.mean(losses)), None
 
-    before = val_fn(P)[0]
+    before = val_fn()[0]
     print(f"SFT validation loss before: {before:.4f}")
     os.makedirs(a.out, exist_ok=True)
     ckpt_path = os.path.join(a.out, "ckpt.npz")
@@ -1139,8 +1215,8 @@ def cmd_sft(a):
         die(f"{ckpt_path} exists: use another --out or --force")
     args = dict(TRAIN_DEFAULTS, steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1), eval_every=max(1, a.steps // 5),
                 sample_every=0, ckpt_every=10 ** 9, log_every=10)
-    train_loop(P, tok, batches, args, a.out, None, val_fn, extra={"kind": "chat"})
-    after = val_fn(P)[0]
+    train_loop(Trainer(P), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
+    after = val_fn()[0]
     print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
 
 
