@@ -1,7 +1,7 @@
 """bpe.py - byte-level BPE tokenizer for NanoEuler, written from scratch.
 
 Ids 0..255 are the raw bytes, then one id per merge in rank order, then the special tokens
-(default "<|endoftext|>"), as /work/shared/SPEC.md requires. Pre-tokenisation is GPT-2's: a word
+(default "<|endoftext|>"), as SPEC.md requires. Pre-tokenisation is GPT-2's: a word
 keeps its leading space, and merges never cross piece boundaries.
 
     python bpe.py train FILE --vocab N -o TOKFILE        learn merges from a UTF-8 text file

@@ -225,20 +225,25 @@ def rmsnorm_forward(x, w):
 @njit(parallel=True, cache=True, fastmath=True)
 def rmsnorm_backward(dy, x, w, rstd, dx, dw):
     """dx += d/dx (accumulates into the residual gradient); dw = sum_n dy * x * rstd.
-    With g = dy*w: dx = r*g - r^3 * x * mean(g*x)."""
+    With g = dy*w: dx = r*g - r^3 * x * mean(g*x). dw is summed per block of rows, then over the blocks
+    (a fixed order, so the result does not depend on the threads)."""
     N, D = x.shape
-    for n in prange(N):
-        r = rstd[n]
-        gx = 0.0
-        for d in range(D):
-            gx += dy[n, d] * w[d] * x[n, d]
-        c = r * r * r * gx / D
-        for d in range(D):
-            dx[n, d] += r * dy[n, d] * w[d] - c * x[n, d]
-    for d in prange(D):
+    n_blocks = 16
+    partial = np.zeros((n_blocks, D))
+    for blk in prange(n_blocks):
+        for n in range(blk * N // n_blocks, (blk + 1) * N // n_blocks):
+            r = rstd[n]
+            gx = 0.0
+            for d in range(D):
+                gx += dy[n, d] * w[d] * x[n, d]
+            c = r * r * r * gx / D
+            for d in range(D):
+                dx[n, d] += r * dy[n, d] * w[d] - c * x[n, d]
+                partial[blk, d] += dy[n, d] * x[n, d] * r
+    for d in range(D):
         s = 0.0
-        for n in range(N):
-            s += dy[n, d] * x[n, d] * rstd[n]
+        for blk in range(n_blocks):
+            s += partial[blk, d]
         dw[d] = s
 
 
@@ -283,8 +288,9 @@ def rope_backward(du, pos, cos, sin):
 # (numpy -> BLAS) with no copy of k or v per query head.
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _causal_softmax(S, T):
-    """S (B, Hkv, G*T, T) scores -> probabilities in place; row r is position t = r % T, sees 0..t."""
+def _causal_softmax(S, T, scale):
+    """S (B, Hkv, G*T, T) unscaled scores -> softmax(scale * S) in place; row r is position t = r % T and
+    sees keys 0..t (the rest become 0)."""
     B, H, R, _ = S.shape
     for bh in prange(B * H):
         for r in range(R):
@@ -295,7 +301,7 @@ def _causal_softmax(S, T):
                 m = max(m, row[j])
             z = 0.0
             for j in range(t + 1):
-                e = fexp(row[j] - m)
+                e = fexp((row[j] - m) * scale)
                 row[j] = e
                 z += e
             inv = 1.0 / z
@@ -341,8 +347,7 @@ def attention_forward(q, k, v, B, T):
     kg = _to_groups(k, B, T, Hkv)                                   # (B, Hkv, T, hd)
     vg = _to_groups(v, B, T, Hkv)
     P = np.matmul(qg, kg.transpose(0, 1, 3, 2))                     # scores (B, Hkv, G*T, T)
-    P *= 1.0 / math.sqrt(hd)
-    _causal_softmax(P, T)
+    _causal_softmax(P, T, 1.0 / math.sqrt(hd))
     out = _from_groups(np.matmul(P, vg), B, T, Hq)
     return out, (qg, kg, vg, P)
 
@@ -446,8 +451,12 @@ def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True):
     losses = np.empty(tk.shape, np.float64)
     _xent(logits, tk, (weights / np.maximum(counts, 1)).astype(logits.dtype), losses, want_grad)
     ces = [float(losses[k].sum() / counts[k]) if counts[k] else 0.0 for k in range(n_mtp)]
-    objective = ces[0] + (mtp_weight * float(np.mean(ces[1:])) if n_mtp > 1 else 0.0)
-    return objective, ces
+    return mtp_objective(ces, mtp_weight), ces
+
+
+def mtp_objective(ces, mtp_weight):
+    """CE_0 + mtp_weight * mean(CE_1 .. CE_{n-1}) from the per-head means."""
+    return ces[0] + (mtp_weight * float(np.mean(ces[1:])) if len(ces) > 1 else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -574,8 +583,21 @@ def adamw_step(p, g, m, v, mask, lr, beta1, beta2, eps, wd, step, grad_scale):
         p[i] -= lr * ((m[i] / bc1) / (np.sqrt(v[i] / bc2) + eps) + wd * mask[i] * p[i])
 
 
+@njit(parallel=True, cache=True)
+def _sum_squares(a):
+    """sum(a^2) in float64, over a fixed split into blocks (the same result with any number of threads)."""
+    n_blocks = 64
+    partial = np.zeros(n_blocks)
+    for blk in prange(n_blocks):
+        s = 0.0
+        for i in range(blk * a.size // n_blocks, (blk + 1) * a.size // n_blocks):
+            s += a[i] * a[i]
+        partial[blk] = s
+    return partial.sum()
+
+
 def grad_norm(G):
-    return float(np.sqrt(np.dot(G.flat.astype(np.float64), G.flat.astype(np.float64))))
+    return math.sqrt(_sum_squares(G.flat))
 
 
 def lr_at(step, total_steps, peak_lr, warmup):
@@ -931,20 +953,21 @@ def load_sft_data(path):
 
 
 class SFTBatches:
-    """Batches of B examples padded to the longest (padding targets -1); same interface as Batches."""
+    """Batches of B examples padded with <|endoftext|> to the longest, or with fixed=True to exactly (B, T)
+    (an engine with preallocated buffers); padding targets are -1. Same interface as Batches."""
 
-    def __init__(self, tok, examples, B, T, seed=0):
+    def __init__(self, tok, examples, B, T, seed=0, fixed=False):
         encoded = [sft_example(tok, ex, T) for ex in examples]
         self.examples = [e for e in encoded if e is not None]
         if not self.examples:
             die("no SFT example fits the context")
-        self.B, self.eot = B, tok.eot
+        self.B, self.T, self.fixed, self.eot = B, T, fixed, tok.eot
         self.rng = np.random.default_rng(seed)
 
     def batch(self, chosen):
-        T = max(len(self.examples[i][0]) for i in chosen)
-        x = np.full((len(chosen), T), self.eot, np.int32)
-        y = np.full((len(chosen), T), -1, np.int32)
+        B, T = (self.B, self.T) if self.fixed else (len(chosen), max(len(self.examples[i][0]) for i in chosen))
+        x = np.full((B, T), self.eot, np.int32)
+        y = np.full((B, T), -1, np.int32)
         for r, i in enumerate(chosen):
             ids, targets = self.examples[i]
             x[r, :len(ids)], y[r, :len(ids)] = ids, targets
@@ -1013,11 +1036,11 @@ class StopFlag:
         print("\n[Ctrl-C: finishing this step, then saving a checkpoint]", flush=True)
 
 
-def evaluate(P, tokens, B, T, n_batches, bytes_per_token):
-    """Head-0 validation loss over fixed batches of the validation split, and bits per byte."""
+def evaluate(batch_loss, tokens, B, T, n_batches, bytes_per_token):
+    """Head-0 validation loss over fixed batches of the validation split, and bits per byte.
+    batch_loss(x, y) -> head-0 CE of one batch, on whichever engine."""
     val = Batches(tokens, B, T, seed=1234, split="val")
-    losses = [forward_loss(P, *val.next())[1][0] for _ in range(n_batches)]
-    loss = float(np.mean(losses))
+    loss = float(np.mean([batch_loss(*val.next()) for _ in range(n_batches)]))
     return loss, loss / math.log(2) / bytes_per_token
 
 
@@ -1166,7 +1189,7 @@ def cmd_train(a):
     if state is not None:
         batches.set_state(state["data"])
     bpt = bytes_per_token(tok, tokens)
-    val_fn = lambda: evaluate(P, tokens, args["batch"], args["seq"], 8, bpt)
+    val_fn = lambda: evaluate(lambda x, y: forward_loss(P, x, y)[1][0], tokens, args["batch"], args["seq"], 8, bpt)
     if state is None:
         print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()))
     train_loop(Trainer(P, state), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0)
@@ -1175,49 +1198,70 @@ def cmd_train(a):
     show_sample(P, tok, "\n", 200, seed=args["seed"])
 
 
+def stream(tok, ids_iter, prefix=""):
+    """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete; -> count."""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(prefix)
+    n = 0
+    for t in ids_iter:
+        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
+        sys.stdout.flush()
+        n += 1
+    print(decoder.decode(b"", final=True))
+    return n
+
+
 def cmd_sample(a):
     P, tok, _, _ = load_checkpoint(a.ckpt)
     ids = tok.encode(a.prompt)
     check_prompt(len(ids), P.cfg.ctx)
-    rng = np.random.default_rng(a.seed)
-    sys.stdout.write(a.prompt)
-    import codecs
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for t in generate(P, ids, a.tokens, a.temperature, a.top_k, rng):
-        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
-        sys.stdout.flush()
-    print(decoder.decode(b"", final=True))
+    stream(tok, generate(P, ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed)), a.prompt)
 
 
-def cmd_sft(a):
-    P, tok, _, extra = load_checkpoint(a.ckpt)
+def add_sft_flags(p, ckpt, out, batch, seq, lr):
+    p.add_argument("--ckpt", default=ckpt, help="the base checkpoint")
+    p.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set, no download)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out)
+    p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
+
+
+def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
+    """Fine-tunes the base model P on instructions, for either engine: make_trainer() -> a train_loop
+    trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after)."""
     examples = load_sft_data(a.data)
     print(f"SFT data: {a.data or 'built-in instruction set (no download)'}, {len(examples)} examples")
-    rng = np.random.default_rng(a.seed)
-    order = rng.permutation(len(examples))
+    order = np.random.default_rng(a.seed).permutation(len(examples))
     n_val = max(1, len(examples) // 20)
-    train_ex = [examples[i] for i in order[n_val:]]
-    val_ex = [examples[i] for i in order[:n_val]]
     T = min(a.seq, P.cfg.ctx)
-    batches = SFTBatches(tok, train_ex, a.batch, T, seed=a.seed)
-    val = SFTBatches(tok, val_ex, a.batch, T)
-
-    def val_fn():
-        idx = list(range(len(val.examples)))
-        losses = [forward_loss(P, *val.batch(idx[i:i + a.batch]))[1][0] for i in range(0, len(idx), a.batch)]
-        return float(np.mean(losses)), None
-
-    before = val_fn()[0]
-    print(f"SFT validation loss before: {before:.4f}")
-    os.makedirs(a.out, exist_ok=True)
+    batches = SFTBatches(tok, [examples[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape)
+    val = SFTBatches(tok, [examples[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape)
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     if os.path.exists(ckpt_path) and not a.force:
         die(f"{ckpt_path} exists: use another --out or --force")
-    args = dict(TRAIN_DEFAULTS, steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1), eval_every=max(1, a.steps // 5),
-                sample_every=0, ckpt_every=10 ** 9, log_every=10)
-    train_loop(Trainer(P), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
+    os.makedirs(a.out, exist_ok=True)
+
+    def val_fn():
+        n = len(val.examples)
+        return float(np.mean([batch_loss(*val.batch(range(i, min(n, i + a.batch)))) for i in range(0, n, a.batch)])), None
+
+    before = val_fn()[0]
+    print(f"SFT validation loss before: {before:.4f}")
+    args = dict(TRAIN_DEFAULTS, steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1), batch=a.batch, seq=T,
+                eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9, log_every=10, data=a.data)
+    train_loop(make_trainer(), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
     after = val_fn()[0]
     print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
+
+
+def cmd_sft(a):
+    P, tok, _, _ = load_checkpoint(a.ckpt)
+    run_sft(a, P, tok, lambda: Trainer(P), lambda x, y: forward_loss(P, x, y)[1][0])
 
 
 def cmd_chat(a):
@@ -1272,6 +1316,27 @@ class Parser(argparse.ArgumentParser):
         die(f"{message} (see {self.prog} --help)")
 
 
+def add_train_flags(p, out):
+    """The flags of a training run (both engines); those not given come from the defaults or, when
+    resuming, from the checkpoint's run."""
+    p.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it")
+    for flag, typ in (("--steps", int), ("--batch", int), ("--seq", int), ("--lr", float), ("--warmup", int),
+                      ("--seed", int), ("--eval-every", int), ("--sample-every", int), ("--ckpt-every", int),
+                      ("--log-every", int)):
+        p.add_argument(flag, dest=flag[2:].replace("-", "_"), type=typ)
+    p.add_argument("--stop-after", dest="stop_after", type=int, help="stop (and checkpoint) after N steps of this run")
+    p.add_argument("--out", default=out, help=f"folder for ckpt.npz and train_log.jsonl (default {out})")
+    p.add_argument("--force", action="store_true", help="start over even if --out holds a checkpoint")
+
+
+def add_sample_flags(p, ckpt, temperature):
+    p.add_argument("--ckpt", default=ckpt)
+    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-k", dest="top_k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(argv=None):
     p = Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU.")
     sub = p.add_subparsers(dest="mode", metavar="{train,sample,chat,sft,bench}", parser_class=Parser)
@@ -1279,45 +1344,18 @@ def main(argv=None):
     t = sub.add_parser("train", help="pretrain (on the embedded default corpus unless --data)")
     t.add_argument("config", nargs="?", default="small", choices=["small", "big"],
                    help="small (1.05M parameters) or big (the ~10M CPU config)")
-    t.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--batch", type=int)
-    t.add_argument("--seq", type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--eval-every", dest="eval_every", type=int)
-    t.add_argument("--sample-every", dest="sample_every", type=int)
-    t.add_argument("--ckpt-every", dest="ckpt_every", type=int)
-    t.add_argument("--stop-after", dest="stop_after", type=int, help="stop (and checkpoint) after N steps of this run")
-    t.add_argument("--out", default="out", help="folder for ckpt.npz and train_log.jsonl (default out)")
+    add_train_flags(t, out="out")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    t.add_argument("--force", action="store_true", help="start over even if --out holds a checkpoint")
 
     s = sub.add_parser("sample", help="generate text from a checkpoint")
-    s.add_argument("--ckpt", default="out/ckpt.npz")
     s.add_argument("--prompt", default="\n")
-    s.add_argument("--tokens", type=int, default=200)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", dest="top_k", type=int, default=40)
-    s.add_argument("--seed", type=int, default=0)
+    add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8)
 
     c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)")
-    c.add_argument("--ckpt", default="out/ckpt.npz")
-    c.add_argument("--tokens", type=int, default=200, help="longest answer")
-    c.add_argument("--temperature", type=float, default=0.7)
-    c.add_argument("--top-k", dest="top_k", type=int, default=40)
-    c.add_argument("--seed", type=int, default=0)
+    add_sample_flags(c, ckpt="out/ckpt.npz", temperature=0.7)
 
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)")
-    f.add_argument("--ckpt", default="out/ckpt.npz", help="the base checkpoint")
-    f.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set)")
-    f.add_argument("--steps", type=int, default=300)
-    f.add_argument("--batch", type=int, default=8)
-    f.add_argument("--seq", type=int, default=256)
-    f.add_argument("--lr", type=float, default=1e-3)
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--out", default="out_chat")
-    f.add_argument("--force", action="store_true")
+    add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
 
     b = sub.add_parser("bench", help="training and sampling speed")
     b.add_argument("config", nargs="?", default="small", choices=["small", "big_cpu"])

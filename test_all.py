@@ -2,7 +2,8 @@
 test_all.py -- the tests of NanoEuler (pytest). `make test` runs them; GPU tests are marked `gpu` and skip
 where CuPy or a device is missing.
 
-Sections: the CPU engine (nanoeuler.py, gradcheck.py) | the tokenizer (bpe.py) | the corpus scripts (data/).
+Sections: the CPU engine (nanoeuler.py, gradcheck.py) | the GPU engine (nanoeuler_cuda.py) | the tokenizer
+(bpe.py) | the corpus scripts (data/).
 """
 import codecs
 import functools
@@ -24,6 +25,7 @@ from hypothesis import example, given, settings, strategies as st
 import bpe
 import gradcheck
 import nanoeuler as ne
+import nanoeuler_cuda as nc
 
 # ====================================================================================================
 # the CPU engine: nanoeuler.py
@@ -267,6 +269,154 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
     assert "instruction model" in r.stdout and "longer than the context" in r.stdout
     r = run_cli("chat", "--ckpt", base / "ckpt.npz", "--tokens", 10, stdin="The\n", env_extra=env)
     assert r.returncode == 0 and "base model" in r.stdout
+
+
+# ====================================================================================================
+# the GPU engine: nanoeuler_cuda.py. The compile check and the error-message tests need no GPU (the compile
+# check needs libnvrtc, e.g. the nvidia-cuda-nvrtc-cu12 wheel, and skips without it); tests marked gpu skip
+# without CuPy and a device.
+
+def _have_gpu():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAVE_GPU = _have_gpu()
+needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and an NVIDIA GPU")
+
+
+def run_gpu(*args, timeout=900, env=None):
+    e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    return subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler_cuda.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def one_error_line(r):
+    lines = r.stderr.strip().splitlines()
+    return r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:")
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+def test_every_kernel_compiles_with_nvrtc():
+    """Every CUDA source string compiles to PTX for compute_90 (a broken kernel fails CI)."""
+    path, results = nc.compile_check()
+    if path is None:
+        pytest.skip("no libnvrtc found (pip install nvidia-cuda-nvrtc-cu12)")
+    assert results and set(name for name, _, _ in results) == set(nc.SOURCES)
+    bad = {name: log for name, ok, log in results if not ok}
+    assert not bad, bad
+
+
+def test_every_kernel_has_a_launcher_and_a_check():
+    """Each extern "C" kernel is launched from Python (its name appears outside the CUDA strings)."""
+    src = (Path(ROOT) / "nanoeuler_cuda.py").read_text()
+    py = "\n".join(l for l in src.splitlines() if "_k(" in l or "_flash_kernel(" in l)
+    for mod, code in nc.SOURCES.items():
+        for name in nc.kernel_names(code):
+            base = name.rsplit("_", 1)[0] if name.startswith("flash_fwd_") or name.startswith("flash_bwd_") else name
+            assert f'"{name}"' in py or (base in ("flash_fwd", "flash_bwd")), name
+
+
+def test_unknown_mode_and_flag_give_one_line():
+    assert one_error_line(run_gpu("zz"))
+    assert one_error_line(run_gpu("g", "--no-such-flag"))
+    assert one_error_line(run_gpu("t", "--steps", "many"))
+
+
+def test_without_cupy_every_mode_says_so(tmp_path):
+    """A CuPy that cannot be imported: each mode ends with one line and a non-zero exit."""
+    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    for args in ([], ["g"], ["t", "--steps", "1"], ["tr"], ["i", "It was"], ["s"], ["c"], ["bench"]):
+        r = run_gpu(*args, env=env)
+        assert one_error_line(r), (args, r.stdout, r.stderr)
+        assert "CuPy" in r.stderr
+
+
+# ---------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@needs_gpu
+def test_selftest_passes():
+    r = run_gpu()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "self-test: PASS" in r.stdout and "FAIL" not in r.stdout
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gradcheck_passes():
+    r = run_gpu("g")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gradient check: PASS" in r.stdout
+
+
+SMALL = ["--config", "small", "--batch", "4", "--seq", "128", "--log-every", "1", "--eval-every", "4",
+         "--warmup", "2", "--lr", "3e-3"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_resume_continues_the_run_exactly(tmp_path):
+    """t for 8 steps == t stopped after 4 + tr for the rest: bit-identical weights and moments."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = run_gpu("t", *SMALL, "--steps", 8, "--out", a)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("t", *SMALL, "--steps", 8, "--stop-after", 4, "--out", b)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("tr", "--out", b)
+    assert r.returncode == 0, r.stderr
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    assert int(za["step"]) == int(zb["step"]) == 8
+    for k in za.files:
+        if k not in ("train_state", "config", "tokenizer"):
+            assert np.array_equal(za[k], zb[k]), k
+    la = [json.loads(l) for l in open(a / "train_log.jsonl")]
+    lb = [json.loads(l) for l in open(b / "train_log.jsonl")]
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert la[-1]["loss"] < la[0]["loss"]                      # it learns
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_checkpoints_cross_engines(tmp_path):
+    """A GPU checkpoint loads and resumes in nanoeuler.py; a CPU checkpoint resumes and samples on the GPU,
+    with the GPU's cached logits equal to the CPU's."""
+    g, c = tmp_path / "gpu", tmp_path / "cpu"
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", g).returncode == 0
+    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler.py"), "train", "--resume", "--out", str(g),
+                        "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert int(np.load(g / "ckpt.npz")["step"]) == 3
+    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler.py"), "train", "small", "--steps", "2", "--batch", "2",
+                        "--seq", "64", "--out", str(c)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("tr", "--out", c, "--steps", 3)
+    assert r.returncode == 0, r.stderr
+    P, tok, _, _ = ne.load_checkpoint(str(c / "ckpt.npz"))
+    ids = tok.encode("It was the best of times")
+    sampler = nc.Sampler(P)
+    cache = ne.KVCache(P.cfg)
+    ref = ne.forward_cached(P, ids[:-1], cache)[-1]
+    got = sampler.forward(ids[:-1])
+    assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+    ref, got = ne.forward_cached(P, ids[-1:], cache)[-1], sampler.forward(ids[-1:])   # one decode step
+    assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_inference_produces_text(tmp_path):
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", tmp_path).returncode == 0
+    r = run_gpu("i", "It was", "--ckpt", tmp_path / "ckpt.npz", "--tokens", 30, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("It was") and len(r.stdout) > len("It was") + 5
+    assert "30 tokens" in r.stderr
+    assert one_error_line(run_gpu("i", "x", "--ckpt", tmp_path / "missing.npz"))
 
 
 # ====================================================================================================

@@ -1,0 +1,1932 @@
+"""
+nanoeuler_cuda.py -- the GPU engine of NanoEuler: the model, loss and AdamW of SPEC.md in CUDA on CuPy.
+
+Every kernel is a CUDA source string below, next to the Python function that launches it, compiled at
+first use with cupy.RawModule (NVRTC); the matrix products go to cuBLAS through CuPy's handle (TF32 on
+to train, off for the checks). Parameters, gradients and Adam moments are each one flat device buffer
+with the layout of nanoeuler.Params.flat, so moving weights in or out is one copy. No float atomics
+anywhere: every reduction has a fixed order, so a run is bit-reproducible and a resumed run continues
+the uninterrupted one exactly.
+
+    python nanoeuler_cuda.py                 self-test: every kernel against a float64 reference
+    python nanoeuler_cuda.py g               gradient check of the whole model against nanoeuler.py
+    python nanoeuler_cuda.py t [flags]       pretrain `big` (--steps --batch --seq --lr --out --ckpt-every ...)
+    python nanoeuler_cuda.py tr [flags]      resume the run in --out from its checkpoint
+    python nanoeuler_cuda.py i "It was"      generate with a KV cache (--ckpt --tokens --temperature --top-k --seed)
+    python nanoeuler_cuda.py s [flags]       supervised fine-tuning of a base checkpoint
+    python nanoeuler_cuda.py c [flags]       chat with a checkpoint
+    python nanoeuler_cuda.py bench           speed: tokens/s, ms/step, MFU, memory; flash vs naive attention
+
+Sections: GPU runtime | kernels (each next to its launcher: embedding, RMSNorm, RoPE, SwiGLU,
+cross-entropy, attention (flash and naive), inference attention, optimiser) | NVRTC compile check |
+model | optimiser | training | sampling | self-test | gradient check | bench | main.
+Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
+S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers.
+"""
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+import nanoeuler as ne
+from nanoeuler import die
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----------------------------------------------------------------------------------------------------
+# GPU runtime: CuPy is imported lazily, so that the compile check and the error messages work without it
+
+cp = None          # the cupy module, once gpu() has run
+cublas = None      # cupy_backends.cuda.libs.cublas
+_handle = None
+
+
+def gpu():
+    """Imports CuPy and checks for a device; without either, one line and a non-zero exit."""
+    global cp, cublas, _handle
+    if cp is not None:
+        return cp
+    try:
+        import cupy
+        from cupy_backends.cuda.libs import cublas as _cublas
+    except Exception as e:  # ImportError, or a CuPy that cannot find its CUDA libraries
+        die(f"the GPU engine needs CuPy and an NVIDIA GPU; CuPy is not usable here ({type(e).__name__}: {e})")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as e:
+        die(f"the GPU engine needs an NVIDIA GPU; none is usable here ({type(e).__name__}: {e})")
+    cp, cublas = cupy, _cublas
+    _handle = cupy.cuda.device.get_cublas_handle()
+    _probe_scalar_convention()
+    return cp
+
+
+_scalar_by_pointer = False      # CuPy 14's cuBLAS bindings take alpha/beta as host pointers, older ones as floats
+_scalars = {}
+
+
+def _probe_scalar_convention():
+    """A 1x1 product 2*3 with alpha/beta given as pointers: 6 only if the binding takes pointers (an old
+    binding reads the pointer's address as a huge alpha instead; nothing is dereferenced then)."""
+    global _scalar_by_pointer
+    _scalar_by_pointer = True
+    a, b, c = (cp.full((1, 1), v, np.float32) for v in (2.0, 3.0, 0.0))
+    try:
+        cublas.sgemm(_handle, 0, 0, 1, 1, 1, _s(1.0), a.data.ptr, 1, b.data.ptr, 1, _s(0.0), c.data.ptr, 1)
+        _scalar_by_pointer = float(cp.asnumpy(c)[0, 0]) == 6.0
+    except Exception:
+        _scalar_by_pointer = False
+
+
+def _s(v):
+    """alpha/beta as the binding wants them: a pointer to a host float32 kept alive here, or the float."""
+    if not _scalar_by_pointer:
+        return float(v)
+    arr = _scalars.get(v)
+    if arr is None:
+        arr = _scalars[v] = np.array([v], np.float32)
+    return arr.ctypes.data
+
+
+_tf32 = False
+
+
+def set_tf32(on):
+    """TF32 tensor cores for the float32 GEMMs (10-bit mantissa inputs, fp32 accumulation): on to train,
+    off for the checks. cuBLAS's math mode on CuPy's handle; CUPY_TF32 would only reach cupy.matmul."""
+    global _tf32
+    _tf32 = bool(on)
+    cublas.setMathMode(_handle, 3 if on else 0)   # CUBLAS_TF32_TENSOR_OP_MATH / CUBLAS_DEFAULT_MATH
+
+
+NAIVE_TF32 = False   # the naive attention's score/value products stay fp32 (SPEC), unless set for a comparison
+
+
+def mm(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
+    """Row-major C (M, N) = alpha * op(A) @ op(B) + beta * C on cuBLAS, no copies: a row-major matrix is
+    its transpose in column-major, so cuBLAS computes C^T = op(B)^T op(A)^T. op(X) = X.T when t* is set."""
+    M, N = C.shape
+    K = A.shape[0] if ta else A.shape[1]
+    assert A.shape == ((K, M) if ta else (M, K)) and B.shape == ((N, K) if tb else (K, N)), \
+        (C.shape, A.shape, B.shape, ta, tb)
+    assert A.flags.c_contiguous and B.flags.c_contiguous and C.flags.c_contiguous
+    cublas.sgemm(_handle, int(tb), int(ta), N, M, K, _s(alpha), B.data.ptr, B.shape[1], A.data.ptr, A.shape[1],
+                 _s(beta), C.data.ptr, N)
+
+
+def bmm(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
+    """mm over a batch: C (nb, M, N), A (nb, ...), B (nb, ...), one strided-batched cuBLAS call.
+    Used by the naive attention only, so it runs in fp32 even when TF32 is on (unless NAIVE_TF32)."""
+    if _tf32 and not NAIVE_TF32:
+        cublas.setMathMode(_handle, 0)
+        try:
+            return _bmm(C, A, B, ta, tb, alpha, beta)
+        finally:
+            cublas.setMathMode(_handle, 3)
+    return _bmm(C, A, B, ta, tb, alpha, beta)
+
+
+def _bmm(C, A, B, ta, tb, alpha, beta):
+    nb, M, N = C.shape
+    K = A.shape[1] if ta else A.shape[2]
+    assert A.shape == ((nb, K, M) if ta else (nb, M, K)) and B.shape == ((nb, N, K) if tb else (nb, K, N)), \
+        (C.shape, A.shape, B.shape, ta, tb)
+    assert A.flags.c_contiguous and B.flags.c_contiguous and C.flags.c_contiguous
+    cublas.sgemmStridedBatched(_handle, int(tb), int(ta), N, M, K, _s(alpha),
+                               B.data.ptr, B.shape[2], B.shape[1] * B.shape[2],
+                               A.data.ptr, A.shape[2], A.shape[1] * A.shape[2],
+                               _s(beta), C.data.ptr, N, M * N, nb)
+
+
+I32, F32 = np.int32, np.float32
+
+
+def _pinned(n, dtype=np.int32):
+    """A page-locked host array (asynchronous copies), or a plain one if CuPy cannot provide it."""
+    try:
+        import cupyx
+        return cupyx.empty_pinned((n,), dtype)
+    except Exception:
+        return np.empty(n, dtype)
+
+
+def _blocks(n, threads=256):
+    return ((n + threads - 1) // threads,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels: CUDA sources, each next to its launcher. COMMON is prepended to every module.
+
+COMMON = r"""
+#define NEG_INF (-__int_as_float(0x7f800000))
+typedef long long i64;
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// block-wide sum / max (blockDim.x a multiple of 32); every thread gets the result; fixed order
+__device__ float block_sum(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : 0.f;
+    r = warp_sum(r);
+    __syncthreads();
+    return r;
+}
+__device__ float block_max(float v) {
+    __shared__ float sh[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float r = lane < nw ? sh[lane] : NEG_INF;
+    r = warp_max(r);
+    __syncthreads();
+    return r;
+}
+"""
+
+# --- embedding: x[n] = tok_emb[idx[n]]; backward without atomics: the host sorts the positions by
+#     token (order, starts), and one block per vocabulary row sums its positions in a fixed order ---
+
+EMBED_SRC = r"""
+extern "C" __global__ void embed_fwd(const float* __restrict__ emb, const int* __restrict__ idx,
+                                     float* __restrict__ x, int D) {
+    const float* e = emb + (i64)idx[blockIdx.x] * D;
+    float* o = x + (i64)blockIdx.x * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) o[c] = e[c];
+}
+extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __restrict__ order,
+                                     const int* __restrict__ starts, float* __restrict__ demb, int D) {
+    int v = blockIdx.x, s = starts[v], e = starts[v + 1];
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;   // 4 loads in flight for frequent tokens
+        int i = s;
+        for (; i + 3 < e; i += 4) {
+            a0 += dx[(i64)order[i] * D + c];
+            a1 += dx[(i64)order[i + 1] * D + c];
+            a2 += dx[(i64)order[i + 2] * D + c];
+            a3 += dx[(i64)order[i + 3] * D + c];
+        }
+        for (; i < e; i++) a0 += dx[(i64)order[i] * D + c];
+        demb[(i64)v * D + c] = (a0 + a1) + (a2 + a3);
+    }
+}
+"""
+
+
+def embed_fwd(emb, idx, x):
+    N, D = x.shape
+    _k("embed_fwd")((N,), (128,), (emb, idx, x, I32(D)))
+
+
+def embed_bwd(dx, order, starts, demb):
+    V, D = demb.shape
+    _k("embed_bwd")((V,), (256,), (dx, order, starts, demb, I32(D)))
+
+
+def sort_tokens(idx, V):
+    """Host side of the deterministic embedding backward: positions sorted by token, and where each
+    token's run starts. (N,) int32 each, (V+1,) int32."""
+    idx = idx.reshape(-1)
+    order = np.argsort(idx, kind="stable").astype(np.int32)
+    starts = np.zeros(V + 1, np.int32)
+    np.cumsum(np.bincount(idx, minlength=V), out=starts[1:])
+    return order, starts
+
+
+# --- RMSNorm, one warp per row, the residual add of the previous Euler step fused in:
+#     xout = x + add (if has_add); h = xout * rstd * w, rstd = 1/sqrt(mean(xout^2) + 1e-5) ---
+
+RMSNORM_SRC = r"""
+extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float* __restrict__ add, int has_add,
+                                       const float* __restrict__ w, float* __restrict__ xout,
+                                       float* __restrict__ h, float* __restrict__ rstd, int N, int D) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;                      // whole warps leave; no block barrier below
+    const float* xr = x + (i64)row * D;
+    const float* ar = add + (i64)row * D;
+    float* xo = xout + (i64)row * D;
+    float* hr = h + (i64)row * D;
+    float ss = 0.f;
+    for (int c = lane; c < D; c += 32) {
+        float v = xr[c];
+        if (has_add) { v += ar[c]; xo[c] = v; }
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    float r = 1.0f / sqrtf(ss / D + 1e-5f);
+    const float* src = has_add ? xo : xr;
+    for (int c = lane; c < D; c += 32) hr[c] = src[c] * r * w[c];
+    if (lane == 0) rstd[row] = r;
+}
+// dx (+)= r*g - r^3 * x * mean(g*x), g = dy*w; accumulate adds into the residual gradient
+extern "C" __global__ void rmsnorm_bwd(const float* __restrict__ dy, const float* __restrict__ x,
+                                       const float* __restrict__ w, const float* __restrict__ rstd,
+                                       float* __restrict__ dx, int accumulate, int N, int D) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const float* dyr = dy + (i64)row * D;
+    const float* xr = x + (i64)row * D;
+    float* dxr = dx + (i64)row * D;
+    float gx = 0.f;
+    for (int c = lane; c < D; c += 32) gx += dyr[c] * w[c] * xr[c];
+    gx = warp_sum(gx);
+    float r = rstd[row], k = r * r * r * gx / D;
+    for (int c = lane; c < D; c += 32) {
+        float v = r * dyr[c] * w[c] - k * xr[c];
+        dxr[c] = accumulate ? dxr[c] + v : v;
+    }
+}
+// dw = sum_n dy*x*rstd in two fixed-order passes. Pass 1: block (32 columns x 8 row lanes) sums a
+// chunk of 256 rows of 32 columns (coalesced 128-byte rows), reduced over the lanes in shared memory.
+extern "C" __global__ void rmsnorm_dw_partial(const float* __restrict__ dy, const float* __restrict__ x,
+                                              const float* __restrict__ rstd, float* __restrict__ part,
+                                              int N, int D) {
+    __shared__ float sh[8][33];
+    int cx = threadIdx.x & 31, ry = threadIdx.x >> 5;
+    int c = blockIdx.x * 32 + cx, r0 = blockIdx.y * 256;
+    float acc = 0.f;
+    if (c < D)
+        for (int r = r0 + ry; r < min(N, r0 + 256); r += 8) acc += dy[(i64)r * D + c] * x[(i64)r * D + c] * rstd[r];
+    sh[ry][cx] = acc;
+    __syncthreads();
+    if (ry == 0 && c < D) {
+        float s = 0.f;
+        for (int i = 0; i < 8; i++) s += sh[i][cx];
+        part[(i64)blockIdx.y * D + c] = s;
+    }
+}
+// pass 2: out[c] = sum over chunks, in chunk order
+extern "C" __global__ void col_sum(const float* __restrict__ part, float* __restrict__ out, int nchunks, int D) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= D) return;
+    float acc = 0.f;
+    for (int i = 0; i < nchunks; i++) acc += part[(i64)i * D + c];
+    out[c] = acc;
+}
+"""
+
+
+def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None):
+    """h = rmsnorm(x [+ add]) * w; with add, the sum is also written to xout (the new residual)."""
+    N, D = x.shape
+    has = add is not None
+    _k("rmsnorm_fwd")(_blocks(N, 8), (256,), (x, add if has else x, I32(has), w, xout if has else h, h, rstd,
+                                              I32(N), I32(D)))
+
+
+def rmsnorm_bwd(dy, x, w, rstd, dx, dw, part, accumulate=True):
+    """dx (+)= d/dx; dw = sum over rows, via part: a (ceil(N/256), D) scratch."""
+    N, D = x.shape
+    _k("rmsnorm_bwd")(_blocks(N, 8), (256,), (dy, x, w, rstd, dx, I32(accumulate), I32(N), I32(D)))
+    nch = (N + 255) // 256
+    assert part.shape[0] >= nch and part.shape[1] == D
+    _k("rmsnorm_dw_partial")(((D + 31) // 32, nch), (256,), (dy, x, rstd, part, I32(N), I32(D)))
+    _k("col_sum")(_blocks(D, 128), (128,), (part, dw, I32(nch), I32(D)))
+
+
+# --- RoPE, half-split, in place on the first `heads` head-vectors of each row (q heads then k heads of
+#     the fused q|k|v buffer); position = pos0 + row % T; sign -1 rotates back (the backward pass) ---
+
+ROPE_SRC = r"""
+extern "C" __global__ void rope(float* __restrict__ u, const float* __restrict__ cosv, const float* __restrict__ sinv,
+                                int N, int T, int pos0, int heads, int hd, int S, float sign) {
+    int half = hd / 2;
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)N * heads * half) return;
+    int i = idx % half, hh = (idx / half) % heads;
+    i64 n = idx / ((i64)half * heads);
+    int p = pos0 + (int)(n % T);
+    float c = cosv[p * half + i], s = sign * sinv[p * half + i];
+    float* r = u + n * S + hh * hd;
+    float a = r[i], b = r[i + half];
+    r[i] = a * c - b * s;
+    r[i + half] = b * c + a * s;
+}
+"""
+
+
+def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
+    N, S = u.shape
+    _k("rope")(_blocks(N * heads * hd // 2), (256,), (u, cos, sin, I32(N), I32(T), I32(pos0), I32(heads),
+                                                      I32(hd), I32(S), F32(sign)))
+
+
+# --- SwiGLU on gu = [g | u] (N, 2F): act = silu(g) * u; backward writes [dg | du] over gu ---
+
+SWIGLU_SRC = r"""
+extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ act, int N, int F) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)N * F) return;
+    i64 n = idx / F; int f = idx % F;
+    float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f];
+    act[idx] = g / (1.f + expf(-g)) * u;
+}
+extern "C" __global__ void swiglu_bwd(const float* __restrict__ dact, float* __restrict__ gu, int N, int F) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)N * F) return;
+    i64 n = idx / F; int f = idx % F;
+    float* r = gu + n * 2 * F;
+    float g = r[f], u = r[F + f], d = dact[idx];
+    float sig = 1.f / (1.f + expf(-g));
+    r[f] = d * u * sig * (1.f + g * (1.f - sig));      // silu'(g) = sig * (1 + g * (1 - sig))
+    r[F + f] = d * g * sig;
+}
+"""
+
+
+def swiglu_fwd(gu, act):
+    N, F = act.shape
+    _k("swiglu_fwd")(_blocks(N * F), (256,), (gu, act, I32(N), I32(F)))
+
+
+def swiglu_bwd(dact, gu):
+    N, F = dact.shape
+    _k("swiglu_bwd")(_blocks(N * F), (256,), (dact, gu, I32(N), I32(F)))
+
+
+# --- cross-entropy of the MTP heads: one block per (row, head) does softmax, loss and gradient in one
+#     kernel, writing scale_k * (softmax - onehot) over the logits. Head k at row n = b*T + t reads
+#     target targets[n + k] when t + k < T; -1 is ignored. scales[k] = weight_k / count_k ---
+
+XENT_SRC = r"""
+extern "C" __global__ void xent(float* __restrict__ logits, const int* __restrict__ targets,
+                                const float* __restrict__ scales, float* __restrict__ rowloss,
+                                int N, int T, int V, int nmtp, int want_grad) {
+    int n = blockIdx.x, k = blockIdx.y, t = n % T;
+    int tgt = (t + k < T) ? targets[n + k] : -1;
+    float* row = logits + ((i64)n * nmtp + k) * V;
+    if (tgt < 0) {                                        // uniform over the block: no barrier is skipped
+        if (want_grad) for (int c = threadIdx.x; c < V; c += blockDim.x) row[c] = 0.f;
+        if (threadIdx.x == 0) rowloss[(i64)k * N + n] = 0.f;
+        return;
+    }
+    float xt = row[tgt];                                  // read before any thread overwrites the row
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, row[c]);
+    m = block_max(m);
+    float z = 0.f;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) z += expf(row[c] - m);
+    z = block_sum(z);
+    float lse = m + logf(z);
+    if (threadIdx.x == 0) rowloss[(i64)k * N + n] = lse - xt;
+    if (want_grad) {
+        float sc = scales[k];
+        for (int c = threadIdx.x; c < V; c += blockDim.x) row[c] = (expf(row[c] - lse) - (c == tgt ? 1.f : 0.f)) * sc;
+    }
+}
+// ce[k] = sum_n rowloss[k, n] * inv_count[k]; one block per head, fixed order
+extern "C" __global__ void loss_reduce(const float* __restrict__ rowloss, const float* __restrict__ inv_count,
+                                       float* __restrict__ ce, int N) {
+    int k = blockIdx.x;
+    float acc = 0.f;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) acc += rowloss[(i64)k * N + n];
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) ce[k] = acc * inv_count[k];
+}
+"""
+
+
+def xent(logits, targets, scales, rowloss, T, nmtp, want_grad):
+    N = logits.shape[0]
+    V = logits.shape[1] // nmtp
+    _k("xent")((N, nmtp), (256,), (logits, targets, scales, rowloss, I32(N), I32(T), I32(V), I32(nmtp),
+                                   I32(want_grad)))
+
+
+def loss_reduce(rowloss, inv_count, ce):
+    nmtp, N = rowloss.shape
+    _k("loss_reduce")((nmtp,), (1024,), (rowloss, inv_count, ce, I32(N)))
+
+
+def loss_weights(targets, n_mtp, mtp_weight):
+    """Host: per-head (scale, 1/count) for the objective CE_0 + mtp_weight * mean(CE_1..): the gradient
+    of head k is weight_k / count_k * (softmax - onehot); heads without targets weigh 0."""
+    B, T = targets.shape
+    scales, inv = np.zeros(n_mtp, np.float32), np.zeros(n_mtp, np.float32)
+    for k in range(n_mtp):
+        count = int((targets[:, k:] >= 0).sum())
+        w = 1.0 if k == 0 else mtp_weight / (n_mtp - 1)
+        if count:
+            scales[k], inv[k] = w / count, 1.0 / count
+    return scales, inv
+
+
+# --- FlashAttention, causal, grouped-query, fp32, head dim HD in {32, 64}.
+#
+# Forward: one block of 256 threads per (query tile of 64 rows, query head, batch); the K/V tiles of
+# 64 keys stream through shared memory with an online softmax, so no T x T matrix exists; it saves the
+# log-sum-exp per row (base 2: scores are pre-scaled by scale*log2(e)) for the backward pass.
+# Thread (ty, tx) = (tid / 16, tid % 16) owns score rows ty + 16 i and key columns tx + 16 j (i, j < 4):
+# the 16 threads of a row are one half-warp, so row max and sum are 4 shuffles. It owns output columns
+# tx*DPT .. tx*DPT+DPT-1 (DPT = HD/16), read as one 16-byte (or 8-byte) vector from shared memory.
+# Rows of the shared tiles are padded by 4 floats so the strided K reads hit distinct banks.
+#
+# Backward (FlashAttention-2 with the GQA sum done in-block): one block per (key tile, kv head, batch)
+# keeps dK, dV of its 64 keys in registers and loops over the G query heads that share the kv head and
+# every query tile at or below the diagonal, recomputing P from the saved log-sum-exp. dQ needs a sum
+# over key tiles, i.e. over blocks: instead of float atomics (non-deterministic) each block writes its
+# partial dQ to dqp[key tile] and flash_dq_sum adds the partials in a fixed order.
+
+FLASH_SRC = r"""
+template <int DPT> struct Vec;
+template <> struct Vec<4> {
+    static __device__ __forceinline__ void ld(const float* p, float* d) {
+        float4 v = *reinterpret_cast<const float4*>(p); d[0] = v.x; d[1] = v.y; d[2] = v.z; d[3] = v.w; }
+};
+template <> struct Vec<2> {
+    static __device__ __forceinline__ void ld(const float* p, float* d) {
+        float2 v = *reinterpret_cast<const float2*>(p); d[0] = v.x; d[1] = v.y; }
+};
+
+// copy rows [r0, r0+64) of a (.., ld) matrix (columns col..col+HD) into smem [64][HD+4]; zero past T
+template <int HD>
+__device__ __forceinline__ void load_tile(float* dst, const float* src, int r0, int T, i64 ld, int col, float mul) {
+    constexpr int V4 = HD / 4, LD = HD + 4;
+    for (int f = threadIdx.x; f < 64 * V4; f += 256) {
+        int r = f / V4, c = (f % V4) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r0 + r < T) v = *reinterpret_cast<const float4*>(src + (i64)(r0 + r) * ld + col + c);
+        v.x *= mul; v.y *= mul; v.z *= mul; v.w *= mul;
+        *reinterpret_cast<float4*>(dst + r * LD + c) = v;
+    }
+}
+
+// acc[i][j] += sum_d A[ty+16i][d] * Bm[tx+16j][d]   (A, Bm: smem [64][HD+4])
+template <int HD>
+__device__ __forceinline__ void tile_abt(float acc[4][4], const float* A, const float* Bm, int ty, int tx) {
+    constexpr int LD = HD + 4;
+#pragma unroll 4
+    for (int d = 0; d < HD; d += 4) {
+        float4 a[4], b[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) a[i] = *reinterpret_cast<const float4*>(A + (ty + 16 * i) * LD + d);
+#pragma unroll
+        for (int j = 0; j < 4; j++) b[j] = *reinterpret_cast<const float4*>(Bm + (tx + 16 * j) * LD + d);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                acc[i][j] += a[i].x * b[j].x + a[i].y * b[j].y + a[i].z * b[j].z + a[i].w * b[j].w;
+    }
+}
+
+// acc[i][jj] += sum_c P[ty+16i][c] * M[c][tx*DPT+jj]   (P: smem [64][68], M: smem [64][HD+4])
+template <int HD>
+__device__ __forceinline__ void tile_pm(float acc[4][HD / 16], const float* P, const float* M, int ty, int tx) {
+    constexpr int LD = HD + 4, DPT = HD / 16, LDP = 68;
+#pragma unroll 2
+    for (int c = 0; c < 64; c += 4) {
+        float4 p[4];
+        float m[4][DPT];
+#pragma unroll
+        for (int i = 0; i < 4; i++) p[i] = *reinterpret_cast<const float4*>(P + (ty + 16 * i) * LDP + c);
+#pragma unroll
+        for (int cc = 0; cc < 4; cc++) Vec<DPT>::ld(M + (c + cc) * LD + tx * DPT, m[cc]);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int jj = 0; jj < DPT; jj++)
+                acc[i][jj] += p[i].x * m[0][jj] + p[i].y * m[1][jj] + p[i].z * m[2][jj] + p[i].w * m[3][jj];
+    }
+}
+
+template <int HD>
+__device__ __forceinline__ void flash_fwd_body(const float* __restrict__ qkv, float* __restrict__ out,
+                                               float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) {
+    constexpr int LD = HD + 4, LDP = 68, DPT = HD / 16;
+    extern __shared__ __align__(16) float smem[];
+    float* Qs = smem;                 // [64][LD]  queries, pre-scaled by scale*log2(e)
+    float* Ks = Qs + 64 * LD;         // [64][LD]
+    float* Vs = Ks + 64 * LD;         // [64][LD]
+    float* Ps = Vs + 64 * LD;         // [64][LDP] probabilities of this tile
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    const int nqt = (T + 63) / 64, qt = nqt - 1 - blockIdx.x;      // the longest rows start first
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
+    const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
+    const float* base = qkv + (i64)b * T * S;
+    const int q0 = qt * 64;
+    load_tile<HD>(Qs, base, q0, T, S, h * HD, sl2);
+    float o[4][DPT], m[4], l[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        m[i] = NEG_INF; l[i] = 0.f;
+#pragma unroll
+        for (int jj = 0; jj < DPT; jj++) o[i][jj] = 0.f;
+    }
+    for (int kt = 0; kt <= qt; kt++) {
+        const int k0 = kt * 64;
+        __syncthreads();                                          // the previous tile is consumed
+        load_tile<HD>(Ks, base, k0, T, S, Cq + kvh * HD, 1.f);
+        load_tile<HD>(Vs, base, k0, T, S, Cq + Ck + kvh * HD, 1.f);
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) s[i][j] = 0.f;
+        tile_abt<HD>(s, Qs, Ks, ty, tx);
+        if (kt == qt) {                                           // causal mask on the diagonal tile
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (tx + 16 * j > ty + 16 * i) s[i][j] = NEG_INF;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {                             // online softmax, base 2
+            float mx = fmaxf(fmaxf(s[i][0], s[i][1]), fmaxf(s[i][2], s[i][3]));
+#pragma unroll
+            for (int o_ = 8; o_ > 0; o_ >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o_));
+            float mn = fmaxf(m[i], mx);                           // finite: every row sees a key per tile
+            float corr = exp2f(m[i] - mn);
+            float rs = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) { s[i][j] = exp2f(s[i][j] - mn); rs += s[i][j]; }
+#pragma unroll
+            for (int o_ = 8; o_ > 0; o_ >>= 1) rs += __shfl_xor_sync(0xffffffffu, rs, o_);
+            l[i] = l[i] * corr + rs;
+            m[i] = mn;
+#pragma unroll
+            for (int jj = 0; jj < DPT; jj++) o[i][jj] *= corr;
+#pragma unroll
+            for (int j = 0; j < 4; j++) Ps[(ty + 16 * i) * LDP + tx + 16 * j] = s[i][j];
+        }
+        __syncthreads();
+        tile_pm<HD>(o, Ps, Vs, ty, tx);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = q0 + ty + 16 * i;
+        if (t < T) {
+            float inv = 1.f / l[i];
+            float* dst = out + ((i64)b * T + t) * Cq + h * HD + tx * DPT;
+#pragma unroll
+            for (int jj = 0; jj < DPT; jj++) dst[jj] = o[i][jj] * inv;
+            if (tx == 0) lse[((i64)b * Hq + h) * T + t] = m[i] + log2f(l[i]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) flash_fwd_32(const float* __restrict__ qkv, float* __restrict__ out,
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { flash_fwd_body<32>(qkv, out, lse, T, Hq, Hkv, sl2); }
+extern "C" __global__ void __launch_bounds__(256) flash_fwd_64(const float* __restrict__ qkv, float* __restrict__ out,
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { flash_fwd_body<64>(qkv, out, lse, T, Hq, Hkv, sl2); }
+
+// Dv[b, h, t] = sum_d dout * out (natural units), one warp per (row, head)
+extern "C" __global__ void flash_bwd_pre(const float* __restrict__ out, const float* __restrict__ dout,
+                                         float* __restrict__ Dv, int N, int T, int Hq, int hd) {
+    i64 gw = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (gw >= (i64)N * Hq) return;
+    i64 n = gw / Hq; int h = gw % Hq;
+    const float* o = out + n * Hq * hd + h * hd;
+    const float* d = dout + n * Hq * hd + h * hd;
+    float acc = 0.f;
+    for (int c = lane; c < hd; c += 32) acc += o[c] * d[c];
+    acc = warp_sum(acc);
+    if (lane == 0) Dv[((n / T) * Hq + h) * T + n % T] = acc;
+}
+
+template <int HD>
+__device__ __forceinline__ void flash_bwd_body(const float* __restrict__ qkv, const float* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ Dv, float* __restrict__ dqkv,
+        float* __restrict__ dqp, int N, int T, int Hq, int Hkv, float scale, float sl2) {
+    constexpr int LD = HD + 4, LDP = 68, DPT = HD / 16;
+    extern __shared__ __align__(16) float smem[];
+    float* Ks = smem;                 // [64][LD] keys of this block
+    float* Vs = Ks + 64 * LD;         // [64][LD]
+    float* Qs = Vs + 64 * LD;         // [64][LD] queries of the current tile (unscaled)
+    float* dOs = Qs + 64 * LD;        // [64][LD]
+    float* PT = dOs + 64 * LD;        // [64 keys][LDP]: P^T, then dS^T
+    float* dSs = PT + 64 * LDP;       // [64 queries][LDP]: dS
+    float* ls = dSs + 64 * LDP;       // [64] log-sum-exp of the query rows
+    float* Ds = ls + 64;              // [64] rowsum(dO * O)
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    const int nqt = (T + 63) / 64, kt = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
+    const int G = Hq / Hkv, Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
+    const float* base = qkv + (i64)b * T * S;
+    const int k0 = kt * 64;
+    load_tile<HD>(Ks, base, k0, T, S, Cq + j * HD, 1.f);
+    load_tile<HD>(Vs, base, k0, T, S, Cq + Ck + j * HD, 1.f);
+    float dk[4][DPT], dv[4][DPT];     // rows k0 + ty + 16 i, columns tx*DPT + jj
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int jj = 0; jj < DPT; jj++) { dk[i][jj] = 0.f; dv[i][jj] = 0.f; }
+    for (int g = 0; g < G; g++) {
+        const int h = j * G + g;
+        for (int qt = kt; qt < nqt; qt++) {
+            const int q0 = qt * 64;
+            __syncthreads();                                      // the previous tile is consumed
+            load_tile<HD>(Qs, base, q0, T, S, h * HD, 1.f);
+            load_tile<HD>(dOs, dout + (i64)b * T * Cq, q0, T, Cq, h * HD, 1.f);
+            if (threadIdx.x < 64) {
+                int t = q0 + threadIdx.x;
+                ls[threadIdx.x] = t < T ? lse[((i64)b * Hq + h) * T + t] : 0.f;
+                Ds[threadIdx.x] = t < T ? Dv[((i64)b * Hq + h) * T + t] : 0.f;
+            }
+            __syncthreads();
+            float p[4][4], ds[4][4];                              // rows q0+ty+16i, keys k0+tx+16j
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) { p[i][jj] = 0.f; ds[i][jj] = 0.f; }
+            tile_abt<HD>(p, Qs, Ks, ty, tx);                      // scores
+            tile_abt<HD>(ds, dOs, Vs, ty, tx);                    // dP = dO V^T
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int q = q0 + ty + 16 * i;
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) {
+                    int k = k0 + tx + 16 * jj;
+                    float pv = (k <= q && q < T) ? exp2f(p[i][jj] * sl2 - ls[ty + 16 * i]) : 0.f;
+                    PT[(tx + 16 * jj) * LDP + ty + 16 * i] = pv;
+                    dSs[(ty + 16 * i) * LDP + tx + 16 * jj] = pv * (ds[i][jj] - Ds[ty + 16 * i]);
+                }
+            }
+            __syncthreads();
+            tile_pm<HD>(dv, PT, dOs, ty, tx);                     // dV += P^T dO
+            float dq[4][DPT];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int jj = 0; jj < DPT; jj++) dq[i][jj] = 0.f;
+            tile_pm<HD>(dq, dSs, Ks, ty, tx);                     // partial dQ = dS K
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int t = q0 + ty + 16 * i;
+                if (t < T) {
+                    float* dst = dqp + ((i64)kt * N + (i64)b * T + t) * Cq + h * HD + tx * DPT;
+#pragma unroll
+                    for (int jj = 0; jj < DPT; jj++) dst[jj] = dq[i][jj] * scale;
+                }
+            }
+            __syncthreads();                                      // P^T is consumed: reuse it for dS^T
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++)
+                    PT[(tx + 16 * jj) * LDP + ty + 16 * i] = dSs[(ty + 16 * i) * LDP + tx + 16 * jj];
+            __syncthreads();
+            tile_pm<HD>(dk, PT, Qs, ty, tx);                      // dK += dS^T Q
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int t = k0 + ty + 16 * i;
+        if (t < T) {
+            float* dst = dqkv + ((i64)b * T + t) * S + Cq + j * HD + tx * DPT;
+#pragma unroll
+            for (int jj = 0; jj < DPT; jj++) { dst[jj] = dk[i][jj] * scale; dst[Ck + jj] = dv[i][jj]; }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_32(const float* __restrict__ qkv, const float* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ Dv, float* __restrict__ dqkv, float* __restrict__ dqp,
+        int N, int T, int Hq, int Hkv, float scale, float sl2) {
+    flash_bwd_body<32>(qkv, dout, lse, Dv, dqkv, dqp, N, T, Hq, Hkv, scale, sl2); }
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_64(const float* __restrict__ qkv, const float* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ Dv, float* __restrict__ dqkv, float* __restrict__ dqp,
+        int N, int T, int Hq, int Hkv, float scale, float sl2) {
+    flash_bwd_body<64>(qkv, dout, lse, Dv, dqkv, dqp, N, T, Hq, Hkv, scale, sl2); }
+
+// dq[n, c] = sum over key tiles kt <= t/64 of dqp[kt, n, c], written into the q columns of dqkv
+extern "C" __global__ void flash_dq_sum(const float* __restrict__ dqp, float* __restrict__ dqkv,
+                                        int N, int T, int Cq, int S) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)N * Cq) return;
+    i64 n = idx / Cq; int c = idx % Cq;
+    int last = (int)(n % T) / 64;
+    float acc = 0.f;
+    for (int kt = 0; kt <= last; kt++) acc += dqp[((i64)kt * N + n) * Cq + c];
+    dqkv[n * S + c] = acc;
+}
+"""
+
+_FLASH_SMEM = {"fwd": lambda hd: (3 * 64 * (hd + 4) + 64 * 68) * 4,
+               "bwd": lambda hd: (4 * 64 * (hd + 4) + 2 * 64 * 68 + 128) * 4}
+
+
+_smem_raised = set()
+
+
+def _flash_kernel(kind, hd):
+    if hd not in (32, 64):
+        die(f"flash attention supports head dims 32 and 64, not {hd} (use --attn naive)")
+    name, smem = f"flash_{kind}_{hd}", _FLASH_SMEM[kind](hd)
+    k = _k(name)
+    if smem > 48 * 1024 and name not in _smem_raised:
+        k.max_dynamic_shared_size_bytes = smem            # opt in to more than 48 KB of shared memory
+        _smem_raised.add(name)
+    return k, smem
+
+
+def flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd):
+    """qkv (N, S) with rotated q, k -> out (N, Cq), lse (B, Hq, T) (base 2)."""
+    k, smem = _flash_kernel("fwd", hd)
+    sl2 = 1.0 / math.sqrt(hd) * math.log2(math.e)
+    k(((T + 63) // 64, Hq, B), (256,), (qkv, out, lse, I32(T), I32(Hq), I32(Hkv), F32(sl2)), shared_mem=smem)
+
+
+def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
+    """-> dqkv (N, S): dq, dk, dv (before the RoPE backward). Dv (B, Hq, T) and dqp (T/64, N, Cq) scratch."""
+    N = B * T
+    Cq = Hq * hd
+    _k("flash_bwd_pre")(_blocks(N * Hq * 32), (256,), (out, dout, Dv, I32(N), I32(T), I32(Hq), I32(hd)))
+    k, smem = _flash_kernel("bwd", hd)
+    scale = 1.0 / math.sqrt(hd)
+    k(((T + 63) // 64, Hkv, B), (256,), (qkv, dout, lse, Dv, dqkv, dqp, I32(N), I32(T), I32(Hq), I32(Hkv),
+                                         F32(scale), F32(scale * math.log2(math.e))), shared_mem=smem)
+    _k("flash_dq_sum")(_blocks(N * Cq), (256,), (dqp, dqkv, I32(N), I32(T), I32(Cq), I32(dqkv.shape[1])))
+
+
+# --- naive attention (for teaching and the speed comparison): the T x T scores are materialised.
+#     q, k, v are copied to (B, H, T, hd); the G query heads of a kv head are then one (G*T, hd) matrix,
+#     so every product is one strided-batched cuBLAS call over the B*Hkv groups and sums over the G heads
+#     come out of the products themselves. ---
+
+NAIVE_SRC = r"""
+// dst (B, H, T, hd) <- src columns col0 + h*hd + d of (N, S) rows; back=1 copies the other way
+extern "C" __global__ void heads_copy(float* __restrict__ src, float* __restrict__ dst, int N, int T, int H,
+                                     int hd, int S, int col0, int back) {
+    i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (i64)N * H * hd) return;
+    int d = idx % hd, h = (idx / hd) % H;
+    i64 n = idx / ((i64)hd * H);
+    i64 a = n * S + col0 + h * hd + d, g = (((n / T) * H + h) * T + n % T) * hd + d;
+    if (back) src[a] = dst[g]; else dst[g] = src[a];
+}
+// scores (rows, T) -> causal softmax in place; row r is position r % T; one block per row
+extern "C" __global__ void causal_softmax(float* __restrict__ s, int T) {
+    i64 r = blockIdx.x;
+    int t = r % T;
+    float* x = s + r * T;
+    float m = NEG_INF;
+    for (int c = threadIdx.x; c <= t; c += blockDim.x) m = fmaxf(m, x[c]);
+    m = block_max(m);
+    float z = 0.f;
+    for (int c = threadIdx.x; c <= t; c += blockDim.x) { float e = expf(x[c] - m); x[c] = e; z += e; }
+    z = block_sum(z);
+    float inv = 1.f / z;
+    for (int c = threadIdx.x; c < T; c += blockDim.x) x[c] = c <= t ? x[c] * inv : 0.f;
+}
+// dP -> dS = P * (dP - sum_c P dP) * scale, in place
+extern "C" __global__ void softmax_bwd(const float* __restrict__ p, float* __restrict__ dp, int T, float scale) {
+    i64 r = blockIdx.x;
+    const float* pr = p + r * T;
+    float* dr = dp + r * T;
+    float s = 0.f;
+    for (int c = threadIdx.x; c < T; c += blockDim.x) s += pr[c] * dr[c];
+    s = block_sum(s);
+    for (int c = threadIdx.x; c < T; c += blockDim.x) dr[c] = pr[c] * (dr[c] - s) * scale;
+}
+"""
+
+
+def _heads_copy(buf, dst, T, H, hd, col0, back=False):
+    N, S = buf.shape
+    _k("heads_copy")(_blocks(N * H * hd), (256,), (buf, dst, I32(N), I32(T), I32(H), I32(hd), I32(S), I32(col0),
+                                                    I32(back)))
+
+
+def naive_scratch(B, T, Hq, Hkv, hd):
+    z = lambda *s: cp.empty(s, np.float32)
+    return dict(q=z(B, Hq, T, hd), k=z(B, Hkv, T, hd), v=z(B, Hkv, T, hd), o=z(B, Hq, T, hd),
+                do=z(B, Hq, T, hd), dq=z(B, Hq, T, hd), dk=z(B, Hkv, T, hd), dv=z(B, Hkv, T, hd),
+                dp=z(B, Hq, T, T))
+
+
+def naive_fwd(qkv, out, P, ws, B, T, Hq, Hkv, hd):
+    """P (B, Hq, T, T): the probabilities, kept for the backward pass."""
+    G, Cq, Ck = Hq // Hkv, Hq * hd, Hkv * hd
+    _heads_copy(qkv, ws["q"], T, Hq, hd, 0)
+    _heads_copy(qkv, ws["k"], T, Hkv, hd, Cq)
+    _heads_copy(qkv, ws["v"], T, Hkv, hd, Cq + Ck)
+    qg = ws["q"].reshape(B * Hkv, G * T, hd)
+    Pg = P.reshape(B * Hkv, G * T, T)
+    bmm(Pg, qg, ws["k"].reshape(B * Hkv, T, hd), tb=True, alpha=1.0 / math.sqrt(hd))   # S = Q K^T * scale
+    _k("causal_softmax")((B * Hq * T,), (128,), (P, I32(T)))
+    bmm(ws["o"].reshape(B * Hkv, G * T, hd), Pg, ws["v"].reshape(B * Hkv, T, hd))     # O = P V
+    _heads_copy(out, ws["o"], T, Hq, hd, 0, back=True)
+
+
+def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
+    G, Cq, Ck = Hq // Hkv, Hq * hd, Hkv * hd
+    _heads_copy(qkv, ws["q"], T, Hq, hd, 0)                    # the scratch holds the last layer's heads
+    _heads_copy(qkv, ws["k"], T, Hkv, hd, Cq)
+    _heads_copy(qkv, ws["v"], T, Hkv, hd, Cq + Ck)
+    _heads_copy(dout, ws["do"], T, Hq, hd, 0)
+    dog = ws["do"].reshape(B * Hkv, G * T, hd)
+    Pg, dPg = P.reshape(B * Hkv, G * T, T), ws["dp"].reshape(B * Hkv, G * T, T)
+    bmm(ws["dv"].reshape(B * Hkv, T, hd), Pg, dog, ta=True)                           # dV = P^T dO
+    bmm(dPg, dog, ws["v"].reshape(B * Hkv, T, hd), tb=True)                            # dP = dO V^T
+    _k("softmax_bwd")((B * Hq * T,), (128,), (P, ws["dp"], I32(T), F32(1.0 / math.sqrt(hd))))
+    bmm(ws["dq"].reshape(B * Hkv, G * T, hd), dPg, ws["k"].reshape(B * Hkv, T, hd))   # dQ = dS K
+    bmm(ws["dk"].reshape(B * Hkv, T, hd), dPg, ws["q"].reshape(B * Hkv, G * T, hd), ta=True)   # dK = dS^T Q
+    _heads_copy(dqkv, ws["dq"], T, Hq, hd, 0, back=True)
+    _heads_copy(dqkv, ws["dk"], T, Hkv, hd, Cq, back=True)
+    _heads_copy(dqkv, ws["dv"], T, Hkv, hd, Cq + Ck, back=True)
+
+
+# --- inference attention over a KV cache (Hkv, ctx, hd) per layer: kv_store appends the new rotated
+#     keys and values; attn_cached runs one block per (new row, query head) over keys 0 .. pos0 + t ---
+
+INFER_SRC = r"""
+extern "C" __global__ void kv_store(const float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
+                                    int Tn, int pos0, int Hq, int Hkv, int hd, int ctx) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= Tn * Hkv * hd) return;
+    int d = idx % hd, j = (idx / hd) % Hkv, t = idx / (hd * Hkv);
+    int Cq = Hq * hd, Ck = Hkv * hd, S = Cq + 2 * Ck;
+    i64 c = ((i64)j * ctx + pos0 + t) * hd + d;
+    kc[c] = qkv[(i64)t * S + Cq + j * hd + d];
+    vc[c] = qkv[(i64)t * S + Cq + Ck + j * hd + d];
+}
+extern "C" __global__ void attn_cached(const float* __restrict__ qkv, const float* __restrict__ kc,
+                                       const float* __restrict__ vc, float* __restrict__ out,
+                                       int pos0, int Hq, int Hkv, int hd, int ctx, float scale) {
+    extern __shared__ __align__(16) float sc[];          // [ctx] scores, then probabilities
+    int t = blockIdx.x, h = blockIdx.y, j = h / (Hq / Hkv), nk = pos0 + t + 1;
+    int Cq = Hq * hd, S = Cq + 2 * Hkv * hd;
+    const float* q = qkv + (i64)t * S + h * hd;
+    const float* K = kc + (i64)j * ctx * hd;
+    const float* Vv = vc + (i64)j * ctx * hd;
+    float m = NEG_INF;
+    for (int k = threadIdx.x; k < nk; k += blockDim.x) {
+        float s = 0.f;
+        for (int d = 0; d < hd; d++) s += q[d] * K[(i64)k * hd + d];
+        sc[k] = s * scale;
+        m = fmaxf(m, sc[k]);
+    }
+    m = block_max(m);
+    float z = 0.f;
+    for (int k = threadIdx.x; k < nk; k += blockDim.x) { float e = expf(sc[k] - m); sc[k] = e; z += e; }
+    z = block_sum(z);                                     // its barrier also publishes sc[]
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < nk; k++) acc += sc[k] * Vv[(i64)k * hd + d];
+        out[(i64)t * Cq + h * hd + d] = acc / z;
+    }
+}
+"""
+
+
+def kv_store(qkv, kc, vc, pos0, Hq, Hkv, hd):
+    Tn = qkv.shape[0]
+    ctx = kc.shape[1]
+    _k("kv_store")(_blocks(Tn * Hkv * hd), (256,), (qkv, kc, vc, I32(Tn), I32(pos0), I32(Hq), I32(Hkv), I32(hd),
+                                                    I32(ctx)))
+
+
+def attn_cached(qkv, kc, vc, out, pos0, Hq, Hkv, hd):
+    Tn, ctx = qkv.shape[0], kc.shape[1]
+    _k("attn_cached")((Tn, Hq), (128,), (qkv, kc, vc, out, I32(pos0), I32(Hq), I32(Hkv), I32(hd), I32(ctx),
+                                         F32(1.0 / math.sqrt(hd))), shared_mem=ctx * 4)
+
+
+# --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
+#     launch over the flat buffer. Weight decay on matrices and the embedding only: the norm weights sit
+#     at fixed offsets of each layer's block (attn_norm at 0, ffn_norm at ffn_off) and after the layers ---
+
+OPTIM_SRC = r"""
+extern "C" __global__ void sumsq_partial(const float* __restrict__ g, i64 n, double* __restrict__ part) {
+    __shared__ double sh[32];
+    double acc = 0.0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        acc += (double)g[i] * g[i];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh[w] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
+        part[blockIdx.x] = s;
+    }
+}
+extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, float* __restrict__ norm) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < np; i++) s += part[i];
+        norm[0] = (float)sqrt(s);
+    }
+}
+extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                 float* __restrict__ v, const float* __restrict__ norm, i64 n,
+                                 float lr, float beta1, float beta2, float eps, float wd, float bc1, float bc2,
+                                 float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off,
+                                 int D) {
+    float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // global norm clipping
+    i64 layers_end = layers_start + layer_size * n_layers;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float decay = 1.f;
+        if (i >= layers_start && i < layers_end) {
+            unsigned o = (unsigned)(i - layers_start) % (unsigned)layer_size;   // 32-bit: cheap
+            if (o < D || (o >= ffn_off && o < ffn_off + D)) decay = 0.f;
+        } else if (i >= layers_end && i < layers_end + D) decay = 0.f;
+        float gi = g[i] * gscale;
+        float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * decay * p[i]);
+    }
+}
+"""
+
+# ----------------------------------------------------------------------------------------------------
+# module registry: kernel name -> compiled RawKernel, compiled on first use (CuPy caches the binaries)
+
+SOURCES = {"embed": EMBED_SRC, "rmsnorm": RMSNORM_SRC, "rope": ROPE_SRC, "swiglu": SWIGLU_SRC, "xent": XENT_SRC,
+           "flash": FLASH_SRC, "naive": NAIVE_SRC, "infer": INFER_SRC, "optim": OPTIM_SRC}
+NVRTC_OPTIONS = ("-std=c++17",)
+_modules, _kernels = {}, {}
+
+
+def kernel_names(src):
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)', src)
+
+
+def _k(name):
+    k = _kernels.get(name)
+    if k is None:
+        mod = next((m for m, src in SOURCES.items() if name in kernel_names(src)), None)
+        assert mod is not None, f"no kernel {name}"
+        if mod not in _modules:
+            _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod], options=NVRTC_OPTIONS)
+        k = _kernels[name] = _modules[mod].get_function(name)
+    return k
+
+
+# ----------------------------------------------------------------------------------------------------
+# NVRTC compile check: every source compiled to PTX (or, with arch sm_90, to machine code with the
+# register and spill report) through libnvrtc loaded by ctypes, so it runs without a GPU or CuPy
+# (CI installs the nvidia-cuda-nvrtc-cu12 wheel).
+
+def _find_nvrtc():
+    import ctypes
+    import ctypes.util
+    import glob
+    cands = []
+    for mod in ("nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            for p in getattr(m, "__path__", []):
+                cands += sorted(glob.glob(os.path.join(p, "lib", "libnvrtc.so*")), reverse=True)
+                cands += sorted(glob.glob(os.path.join(p, "*", "lib", "libnvrtc.so*")), reverse=True)
+        except Exception:
+            pass
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            cands += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")), reverse=True)
+    cands += [ctypes.util.find_library("nvrtc"), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+    for c in cands:
+        if c and "builtins" not in c:
+            try:
+                return ctypes.CDLL(c), c
+            except OSError:
+                continue
+    return None, None
+
+
+def compile_check(arch="compute_90", verbose=False):
+    """-> (library path, [(module, ok, log)]) or (None, []) when no libnvrtc is found."""
+    import ctypes
+    lib, path = _find_nvrtc()
+    if lib is None:
+        return None, []
+    results = []
+    for name, src in SOURCES.items():
+        prog = ctypes.c_void_p()
+        code = (COMMON + src).encode()
+        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, f"{name}.cu".encode(), 0, None, None)
+        if rc:
+            results.append((name, False, f"nvrtcCreateProgram error {rc}"))
+            continue
+        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS] + (["--ptxas-options=-v"] if verbose else [])
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, buf)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        results.append((name, rc == 0, buf.value.decode(errors="replace").strip()))
+    return path, results
+
+
+# ----------------------------------------------------------------------------------------------------
+# model: the forward and backward passes of SPEC.md over preallocated device buffers for one (B, T)
+
+def _param_offsets(cfg):
+    """name -> (start, end, shape) in the flat buffer: nanoeuler.param_shapes' order, no padding."""
+    off, out = 0, {}
+    for name, shape in ne.param_shapes(cfg):
+        n = int(np.prod(shape))
+        out[name] = (off, off + n, shape)
+        off += n
+    return out
+
+
+class DeviceParams:
+    """A flat float32 device buffer with the layout of nanoeuler.Params.flat and named views of it."""
+
+    def __init__(self, cfg, flat=None):
+        self.cfg = cfg
+        self.offsets = _param_offsets(cfg)
+        self.flat = cp.zeros(ne.num_params(cfg), np.float32) if flat is None else flat
+        self.views = {n: self.flat[a:b].reshape(s) for n, (a, b, s) in self.offsets.items()}
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    def rows(self, first, last):
+        """Consecutive matrices as one (rows, in) matrix: wq|wk|wv, w1|w3, heads.0..n."""
+        a, b = self.offsets[first][0], self.offsets[last][1]
+        return self.flat[a:b].reshape(-1, self.offsets[first][2][1])
+
+    def upload(self, P):
+        assert P.flat.shape == self.flat.shape
+        self.flat.set(np.ascontiguousarray(P.flat, np.float32))
+
+    def download(self):
+        return ne.Params(self.cfg, np.float32, cp.asnumpy(self.flat))
+
+
+class Model:
+    """Device buffers for batches of (B, T) and the passes over them. attn: 'flash' or 'naive'."""
+
+    def __init__(self, cfg, B, T, attn="flash", train=True, params=None):
+        gpu()
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
+            die(f"config {cfg}: dim must split into heads, and query heads into kv groups")
+        if T > cfg.ctx:
+            die(f"--seq {T} is longer than the context of {cfg.ctx}")
+        if attn == "flash" and cfg.head_dim not in (32, 64):
+            die(f"flash attention supports head dims 32 and 64, this config has {cfg.head_dim} (use --attn naive)")
+        self.cfg, self.B, self.T, self.attn, self.train = cfg, B, T, attn, train
+        D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        Cq, Ck = Hq * hd, Hkv * hd
+        self.S = S = Cq + 2 * Ck
+        N = self.N = B * T
+        e = lambda *s: cp.empty(s, np.float32)
+        self.P = params if params is not None else DeviceParams(cfg)
+        self.G = DeviceParams(cfg) if train else None
+        cos, sin = ne.rope_tables(cfg.ctx, hd, np.float64)
+        self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
+        # inputs, uploaded in one copy per step: idx | targets | order | starts | (scales, 1/counts) as bits
+        self.inp = cp.zeros(3 * N + V + 1 + 2 * K, np.int32)
+        # two pinned host staging buffers, so the upload is an asynchronous copy in stream order and the
+        # host never waits for the GPU between steps; an event guards the reuse of each buffer
+        self._stage = [_pinned(self.inp.size) for _ in range(2)]
+        self._stage_ev, self._stage_i = [None, None], 0
+        self.idx, self.tgt = self.inp[:N], self.inp[N:2 * N]
+        self.order, self.starts = self.inp[2 * N:3 * N], self.inp[3 * N:3 * N + V + 1]
+        w = self.inp[3 * N + V + 1:].view(np.float32)
+        self.scales, self.inv_count = w[:K], w[K:]
+        # activations saved for the backward pass
+        self.xs = [e(N, D) for _ in range(L + 1)]     # residual stream entering each layer; xs[L] final
+        self.xm = [e(N, D) for _ in range(L)]         # after the attention step
+        self.h1, self.h2 = [e(N, D) for _ in range(L)], [e(N, D) for _ in range(L)]
+        self.r1, self.r2 = [e(N) for _ in range(L)], [e(N) for _ in range(L)]
+        self.qkv = [e(N, S) for _ in range(L)]        # q and k rotated
+        self.att = [e(N, Cq) for _ in range(L)]
+        self.lse = [e(B, Hq, T) for _ in range(L)] if attn == "flash" else None
+        self.probs = [e(B, Hq, T, T) for _ in range(L)] if attn == "naive" else None
+        self.gu = [e(N, 2 * F) for _ in range(L)]     # [g | u]; the backward writes [dg | du] over it
+        self.act = [e(N, F) for _ in range(L)]
+        self.hf, self.rf = e(N, D), e(N)
+        self.logits = e(N, K * V)                     # all heads from one GEMM; dlogits in place
+        self.rowloss, self.ce = e(K, N), cp.zeros(K, np.float32)
+        self.tmp = e(N, D)                            # a @ wo.T, act @ w2.T before the fused residual add
+        self.nws = naive_scratch(B, T, Hq, Hkv, hd) if attn == "naive" else None
+        if train:
+            self.dx, self.dh, self.da = e(N, D), e(N, D), e(N, Cq)
+            self.dqkv, self.dact = e(N, S), e(N, F)
+            self.Dv = e(B, Hq, T)
+            self.dqp = e((T + 63) // 64, N, Cq) if attn == "flash" else None
+            self.part = e((N + 255) // 256, D)
+
+    # --- inputs ---
+    def set_batch(self, x, y=None, want_grad=False):
+        """x, y (B, T) int32 host arrays; one host-to-device copy."""
+        cfg, N, V, K = self.cfg, self.N, self.cfg.vocab, self.cfg.n_mtp
+        assert x.shape == (self.B, self.T), (x.shape, self.B, self.T)
+        if x.min() < 0 or x.max() >= V:
+            die(f"token ids must lie in 0..{V - 1}")
+        i = self._stage_i
+        self._stage_i ^= 1
+        if self._stage_ev[i] is not None:
+            self._stage_ev[i].synchronize()          # its previous copy has left the buffer
+        buf = self._stage[i]
+        buf[:] = 0
+        buf[:N] = x.reshape(-1)
+        if y is not None:
+            buf[N:2 * N] = y.reshape(-1)
+            sc, inv = loss_weights(y, K, cfg.mtp_weight)
+            buf[3 * N + V + 1:] = np.concatenate([sc, inv]).view(np.int32)
+        if want_grad:
+            order, starts = sort_tokens(x, V)
+            buf[2 * N:3 * N], buf[3 * N:3 * N + V + 1] = order, starts
+        self.inp.set(buf, stream=cp.cuda.get_current_stream())
+        ev = cp.cuda.Event()
+        ev.record()
+        self._stage_ev[i] = ev
+
+    # --- forward ---
+    def forward(self, want_loss=True, want_grad=False):
+        """Runs the model on the uploaded batch; with want_loss, self.ce holds the per-head CE on the
+        device and (with want_grad) self.logits the gradient of the objective with respect to them."""
+        cfg, P, B, T = self.cfg, self.P, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        embed_fwd(P["tok_emb"], self.idx, self.xs[0])
+        rmsnorm_fwd(self.xs[0], P["layers.0.attn_norm"], self.h1[0], self.r1[0])
+        for l in range(L):
+            p = f"layers.{l}."
+            mm(self.qkv[l], self.h1[l], P.rows(p + "wq", p + "wv"), tb=True)           # (N, S)
+            rope(self.qkv[l], self.cos, self.sin, T, Hq + Hkv, hd)
+            if self.attn == "flash":
+                flash_fwd(self.qkv[l], self.att[l], self.lse[l], B, T, Hq, Hkv, hd)
+            else:
+                naive_fwd(self.qkv[l], self.att[l], self.probs[l], self.nws, B, T, Hq, Hkv, hd)
+            mm(self.tmp, self.att[l], P[p + "wo"], tb=True)
+            rmsnorm_fwd(self.xs[l], P[p + "ffn_norm"], self.h2[l], self.r2[l], add=self.tmp, xout=self.xm[l])
+            mm(self.gu[l], self.h2[l], P.rows(p + "w1", p + "w3"), tb=True)            # (N, 2F)
+            swiglu_fwd(self.gu[l], self.act[l])
+            mm(self.tmp, self.act[l], P[p + "w2"], tb=True)
+            last = l == L - 1
+            rmsnorm_fwd(self.xm[l], P["norm" if last else f"layers.{l + 1}.attn_norm"],
+                        self.hf if last else self.h1[l + 1], self.rf if last else self.r1[l + 1],
+                        add=self.tmp, xout=self.xs[l + 1])
+        if not want_loss:
+            return
+        mm(self.logits, self.hf, P.rows("heads.0", f"heads.{cfg.n_mtp - 1}"), tb=True)  # (N, K*V)
+        xent(self.logits, self.tgt, self.scales, self.rowloss, T, cfg.n_mtp, want_grad)
+        loss_reduce(self.rowloss, self.inv_count, self.ce)
+
+    # --- backward: gradients into self.G (every tensor is written, none accumulated across steps) ---
+    def backward(self):
+        cfg, P, G, B, T = self.cfg, self.P, self.G, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        heads = ("heads.0", f"heads.{cfg.n_mtp - 1}")
+        mm(G.rows(*heads), self.logits, self.hf, ta=True)                   # dHeads = dlogits^T hf
+        mm(self.dh, self.logits, P.rows(*heads))                            # dhf = dlogits Heads
+        rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False)
+        for l in reversed(range(L)):
+            p = f"layers.{l}."
+            # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
+            mm(G[p + "w2"], self.dx, self.act[l], ta=True)
+            mm(self.dact, self.dx, P[p + "w2"])
+            swiglu_bwd(self.dact, self.gu[l])                               # gu[l] now holds [dg | du]
+            mm(G.rows(p + "w1", p + "w3"), self.gu[l], self.h2[l], ta=True)
+            mm(self.dh, self.gu[l], P.rows(p + "w1", p + "w3"))
+            rmsnorm_bwd(self.dh, self.xm[l], P[p + "ffn_norm"], self.r2[l], self.dx, G[p + "ffn_norm"], self.part)
+            # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
+            mm(G[p + "wo"], self.dx, self.att[l], ta=True)
+            mm(self.da, self.dx, P[p + "wo"])
+            if self.attn == "flash":
+                flash_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.Dv, self.dqp,
+                          B, T, Hq, Hkv, hd)
+            else:
+                naive_bwd(self.qkv[l], self.da, self.probs[l], self.dqkv, self.nws, B, T, Hq, Hkv, hd)
+            rope(self.dqkv, self.cos, self.sin, T, Hq + Hkv, hd, sign=-1.0)
+            mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
+            mm(self.dh, self.dqkv, P.rows(p + "wq", p + "wv"))
+            rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part)
+        embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
+
+    def losses(self):
+        """(objective, per-head CE) from the device (a sync)."""
+        ces = [float(c) for c in cp.asnumpy(self.ce)]
+        return ne.mtp_objective(ces, self.cfg.mtp_weight), ces
+
+    def batch_loss(self, x, y):
+        """Head-0 CE of one batch, forward only (validation)."""
+        self.set_batch(x, y)
+        self.forward(want_loss=True, want_grad=False)
+        return self.losses()[1][0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device
+
+class AdamW:
+    def __init__(self, P, G, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0):
+        """P, G: DeviceParams of the weights and their gradients (updated in place)."""
+        cfg = P.cfg
+        self.P, self.G, self.beta1, self.beta2, self.eps, self.wd, self.clip = P, G, beta1, beta2, eps, weight_decay, clip
+        self.m, self.v = DeviceParams(cfg), DeviceParams(cfg)
+        self.step_count = 0
+        self.nblk = 1024
+        self.part = cp.zeros(self.nblk, np.float64)
+        self.norm = cp.zeros(1, np.float32)
+        off = P.offsets
+        self.layers_start = off["layers.0.attn_norm"][0]
+        self.layer_size = off["layers.1.attn_norm"][0] - self.layers_start if cfg.n_layers > 1 else \
+            off["norm"][0] - self.layers_start
+        self.ffn_off = off["layers.0.ffn_norm"][0] - self.layers_start
+        # the kernel finds the norm weights by offset arithmetic: check it covers exactly the 1-D tensors
+        for name, (a, b, shape) in off.items():
+            want = 0.0 if len(shape) == 1 else 1.0
+            for i in {a, b - 1}:
+                if self._decay_at(i, cfg.dim, cfg.n_layers) != want:
+                    raise AssertionError(f"weight-decay layout wrong at {name}")
+
+    def _decay_at(self, i, D, L):
+        end = self.layers_start + self.layer_size * L
+        if self.layers_start <= i < end:
+            o = (i - self.layers_start) % self.layer_size
+            return 0.0 if o < D or self.ffn_off <= o < self.ffn_off + D else 1.0
+        return 0.0 if end <= i < end + D else 1.0
+
+    def grad_norm(self, g):
+        n = g.size
+        _k("sumsq_partial")((self.nblk,), (256,), (g, np.int64(n), self.part))
+        _k("sumsq_final")((1,), (32,), (self.part, I32(self.nblk), self.norm))
+
+    def step(self, lr):
+        """Clips the global gradient norm to self.clip and updates the parameters (all on the device)."""
+        P, G, cfg = self.P.flat, self.G.flat, self.P.cfg
+        self.grad_norm(G)
+        self.step_count += 1
+        bc1, bc2 = 1.0 - self.beta1 ** self.step_count, 1.0 - self.beta2 ** self.step_count
+        _k("adamw")((132 * 8,), (256,), (P, G, self.m.flat, self.v.flat, self.norm, np.int64(P.size), F32(lr),
+                                         F32(self.beta1), F32(self.beta2), F32(self.eps), F32(self.wd), F32(bc1),
+                                         F32(bc2), F32(self.clip), np.int64(self.layers_start),
+                                         np.int64(self.layer_size), I32(cfg.n_layers), np.int64(self.ffn_off),
+                                         I32(cfg.dim)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# training: nanoeuler's train_loop, run set-up and SFT, with this engine's trainer; checkpoints in
+# nanoeuler's format, so either engine resumes the other's run
+
+TRAIN_DEFAULTS = dict(ne.TRAIN_DEFAULTS, config="big", steps=5000, batch=16, seq=512, lr=6e-4, warmup=200,
+                      eval_every=500, sample_every=0, ckpt_every=5000, log_every=50, attn="flash")
+DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
+
+
+def default_data():
+    """The data pipeline's output if it exists, else None (nanoeuler's embedded default corpus)."""
+    return next((p for p in (os.path.join(HERE, d) for d in DEFAULT_DATA) if os.path.isfile(p)), None)
+
+
+class Trainer:
+    """nanoeuler.train_loop's engine interface on the GPU. step() only queues work on the device: each
+    step's per-head CE and gradient norm are copied into a row of a device history, and results() reads
+    the rows since its last call in one transfer, the loop's only host sync (once per log interval)."""
+    sync_every_step = False
+
+    def __init__(self, model, opt):
+        self.model, self.opt, self.n = model, opt, 0
+        self.hist = cp.zeros((64, model.cfg.n_mtp + 1), np.float32)
+
+    def step(self, x, y, lr):
+        m, K = self.model, self.model.cfg.n_mtp
+        m.set_batch(x, y, want_grad=True)
+        m.forward(want_loss=True, want_grad=True)
+        m.backward()
+        self.opt.step(lr)
+        if self.n == len(self.hist):
+            self.hist = cp.concatenate([self.hist, cp.zeros_like(self.hist)])
+        self.hist[self.n, :K] = m.ce
+        self.hist[self.n, K:] = self.opt.norm
+        self.n += 1
+
+    def results(self):
+        rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
+        K, w = self.model.cfg.n_mtp, self.model.cfg.mtp_weight
+        return [(ne.mtp_objective([float(c) for c in r[:K]], w), [float(c) for c in r[:K]], float(r[K]))
+                for r in rows]
+
+    def host_state(self):
+        return self.model.P.download(), self.opt.m.download(), self.opt.v.download()
+
+
+def make_trainer(P, B, T, attn, state=None):
+    """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer."""
+    model = Model(P.cfg, B, T, attn=attn)
+    model.P.upload(P)
+    opt = AdamW(model.P, model.G)
+    if state is not None:
+        opt.m.upload(state["adam_m"])
+        opt.v.upload(state["adam_v"])
+        opt.step_count = state["step"]
+    set_tf32(True)
+    return Trainer(model, opt)
+
+
+def cmd_train(argv, resume):
+    p = ne.Parser(prog="nanoeuler_cuda.py " + ("tr" if resume else "t"))
+    ne.add_train_flags(p, out="out/gpu")
+    p.add_argument("--config", choices=sorted(ne.CONFIGS), help="default big (the run's own when resuming)")
+    p.add_argument("--attn", choices=["flash", "naive"])
+    a = p.parse_args(argv)
+    gpu()
+    P, tok, tokens, args, state, extra = ne.start_run(a, dict(TRAIN_DEFAULTS, data=default_data()), resume)
+    B, T = args["batch"], args["seq"]
+    trainer = make_trainer(P, B, T, args["attn"], state)
+    print(f"B={B} T={T}, {args['attn']} attention, TF32 matmuls, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    batches = ne.Batches(tokens, B, T, seed=args["seed"])
+    if state is not None:
+        batches.set_state(state["data"])
+    bpt = ne.bytes_per_token(tok, tokens)
+    val_fn = lambda: ne.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
+    if state is None:
+        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()))
+    ne.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0)
+    prompt = tok.encode("\n")
+    ne.stream(tok, Sampler(trainer.model.P).generate(prompt, 100, 0.8, 40, np.random.default_rng(args["seed"])),
+              "--- sample ---\n")
+
+
+# ----------------------------------------------------------------------------------------------------
+# sampling: head 0 with a KV cache on the device; nanoeuler's sample_token picks each id on the host
+
+class Sampler:
+    def __init__(self, P):
+        """P: DeviceParams (shared, not copied) or nanoeuler.Params (uploaded)."""
+        gpu()
+        if isinstance(P, ne.Params):
+            dp = DeviceParams(P.cfg)
+            dp.upload(P)
+            P = dp
+        cfg = self.cfg = P.cfg
+        self.P = P
+        ctx, D, F, L = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        e = lambda *s: cp.empty(s, np.float32)
+        self.xa, self.xb, self.h, self.tmp = e(ctx, D), e(ctx, D), e(ctx, D), e(ctx, D)
+        self.qkv, self.att = e(ctx, (Hq + 2 * Hkv) * hd), e(ctx, Hq * hd)
+        self.gu, self.act, self.r = e(ctx, 2 * F), e(ctx, F), e(ctx)
+        self.logit = e(1, cfg.vocab)
+        self.kc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
+        self.vc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
+        self.idx = cp.zeros(ctx, np.int32)
+        cos, sin = ne.rope_tables(ctx, hd, np.float64)
+        self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
+        self.len = 0
+
+    def forward(self, ids):
+        """Appends ids at positions self.len.. to the cache; -> head-0 logits of the last one (host)."""
+        cfg, P, Tn, pos0 = self.cfg, self.P, len(ids), self.len
+        assert 0 < Tn and pos0 + Tn <= cfg.ctx
+        hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
+        self.idx[:Tn].set(np.asarray(ids, np.int32))
+        x, x2, h, tmp, r = self.xa[:Tn], self.xb[:Tn], self.h[:Tn], self.tmp[:Tn], self.r[:Tn]
+        qkv, att, gu, act = self.qkv[:Tn], self.att[:Tn], self.gu[:Tn], self.act[:Tn]
+        embed_fwd(P["tok_emb"], self.idx[:Tn], x)
+        rmsnorm_fwd(x, P["layers.0.attn_norm"], h, r)
+        for l in range(L):
+            p = f"layers.{l}."
+            mm(qkv, h, P.rows(p + "wq", p + "wv"), tb=True)
+            rope(qkv, self.cos, self.sin, Tn, Hq + Hkv, hd, pos0=pos0)
+            kv_store(qkv, self.kc[l], self.vc[l], pos0, Hq, Hkv, hd)
+            attn_cached(qkv, self.kc[l], self.vc[l], att, pos0, Hq, Hkv, hd)
+            mm(tmp, att, P[p + "wo"], tb=True)
+            rmsnorm_fwd(x, P[p + "ffn_norm"], h, r, add=tmp, xout=x2)      # x2 = x + attention
+            x, x2 = x2, x
+            mm(gu, h, P.rows(p + "w1", p + "w3"), tb=True)
+            swiglu_fwd(gu, act)
+            mm(tmp, act, P[p + "w2"], tb=True)
+            nxt = "norm" if l == L - 1 else f"layers.{l + 1}.attn_norm"
+            rmsnorm_fwd(x, P[nxt], h, r, add=tmp, xout=x2)                  # x2 = x + ffn
+            x, x2 = x2, x
+        mm(self.logit, h[Tn - 1:Tn], P["heads.0"], tb=True)
+        self.len += Tn
+        return cp.asnumpy(self.logit)[0]
+
+    def generate(self, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None):
+        """Yields up to max_new sampled ids, like nanoeuler.generate (stops at the context)."""
+        rng = rng if rng is not None else np.random.default_rng(0)
+        ne.check_prompt(len(prompt_ids), self.cfg.ctx)
+        self.len = 0
+        ids = list(prompt_ids)
+        logits = self.forward(ids)
+        for _ in range(max_new):
+            t = ne.sample_token(logits, temperature, top_k, rng)
+            yield t
+            ids.append(t)
+            if len(ids) >= self.cfg.ctx:
+                return
+            logits = self.forward([t])
+
+
+def cmd_infer(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py i")
+    p.add_argument("prompt")
+    ne.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
+    a = p.parse_args(argv)
+    gpu()
+    P, tok, _, _ = ne.load_checkpoint(a.ckpt)
+    ids = tok.encode(a.prompt)
+    ne.check_prompt(len(ids), P.cfg.ctx)
+    t0 = time.time()
+    n = ne.stream(tok, Sampler(P).generate(ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed)),
+                  a.prompt)
+    print(f"[{n} tokens, {n / max(time.time() - t0, 1e-9):,.0f} tokens/s with the KV cache]", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SFT and chat: nanoeuler's Alpaca template, data and REPL; batches padded to the model's fixed T
+
+def cmd_sft(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py s")
+    ne.add_sft_flags(p, ckpt="out/gpu/ckpt.npz", out="out/gpu_chat", batch=16, seq=512, lr=1e-4)
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash")
+    a = p.parse_args(argv)
+    gpu()
+    P, tok, _, _ = ne.load_checkpoint(a.ckpt)
+    trainer = make_trainer(P, a.batch, min(a.seq, P.cfg.ctx), a.attn)
+    ne.run_sft(a, P, tok, lambda: trainer, trainer.model.batch_loss, fixed_shape=True)
+
+
+def cmd_chat(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py c")
+    ne.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
+    a = p.parse_args(argv)
+    gpu()
+    P, tok, _, extra = ne.load_checkpoint(a.ckpt)
+    sampler = Sampler(P)
+    rng = np.random.default_rng(a.seed)
+    gen = lambda ids, n: sampler.generate(ids, n, a.temperature, a.top_k, rng)
+    ne.chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+
+
+# ----------------------------------------------------------------------------------------------------
+# self-test: every kernel, forward and backward, against a float64 reference (nanoeuler's CPU layers
+# where it has them, numpy otherwise) on fresh random inputs, with the outputs poisoned (NaN) first.
+# Error: max |gpu - ref| / max |ref| per output (NaN anywhere fails).
+
+def rel_err(a, ref):
+    a, ref = np.asarray(cp.asnumpy(a) if cp is not None and not isinstance(a, np.ndarray) else a, np.float64), \
+        np.asarray(ref, np.float64)
+    if a.shape != ref.shape:
+        a = a.reshape(ref.shape)
+    if not np.isfinite(a).all():
+        return float("inf")
+    return float(np.max(np.abs(a - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def _d(a):
+    return cp.asarray(np.ascontiguousarray(a, np.float32))
+
+
+def _nan(*shape):
+    a = cp.empty(shape, np.float32)
+    a.fill(np.nan)
+    return a
+
+
+def _attn_ref(q, k, v, B, T, dout):
+    """float64 reference of causal GQA attention: out, dq, dk, dv from nanoeuler's layers; the log2-sum-exp
+    of the scaled scores per (b, h, t) directly in numpy."""
+    N, Hq, hd = q.shape
+    G = Hq // k.shape[1]
+    out, cache = ne.attention_forward(q, k, v, B, T)
+    dq, dk, dv = ne.attention_backward(dout, cache, B, T)
+    qb = q.reshape(B, T, Hq, hd).transpose(0, 2, 1, 3)                           # (B, Hq, T, hd)
+    kb = np.repeat(k.reshape(B, T, -1, hd).transpose(0, 2, 1, 3), G, axis=1)   # kv head h // G
+    s = qb @ kb.transpose(0, 1, 3, 2) / math.sqrt(hd)                           # (B, Hq, T, T)
+    s = np.where(np.triu(np.ones((T, T), bool), 1), -np.inf, s)
+    mx = s.max(-1)
+    lse = (mx + np.log(np.exp(s - mx[..., None]).sum(-1))) * math.log2(math.e)
+    return out, lse, dq, dk, dv
+
+
+def selftest_checks(rng):
+    """-> list of (kernel, error, tolerance)."""
+    R = []
+    tol = 1e-5
+    randn = lambda *s: rng.standard_normal(s)
+    # embedding
+    V, D, N = 50, 72, 300                                   # ~6 positions per token: the unrolled sum runs
+    emb, idx = randn(V, D), rng.integers(0, V, N).astype(np.int32)
+    x = _nan(N, D)
+    embed_fwd(_d(emb), cp.asarray(idx), x)
+    R.append(("embed fwd", rel_err(x, emb[idx]), tol))
+    dx = randn(N, D)
+    order, starts = sort_tokens(idx, V)
+    demb = _nan(V, D)
+    embed_bwd(_d(dx), cp.asarray(order), cp.asarray(starts), demb)
+    ref = np.zeros((V, D))
+    ne.embedding_backward(dx, idx, ref)
+    R.append(("embed bwd (sorted scatter-add)", rel_err(demb, ref), tol))
+    # RMSNorm (600 rows, so the weight gradient runs over several chunks of 256)
+    N, D = 600, 72
+    x0, add, w = randn(N, D) * 2, randn(N, D), 1 + 0.3 * randn(D)
+    y, rstd = ne.rmsnorm_forward(x0, w)
+    h, r = _nan(N, D), _nan(N)
+    rmsnorm_fwd(_d(x0), _d(w), h, r)
+    R.append(("rmsnorm fwd", max(rel_err(h, y), rel_err(r, rstd)), tol))
+    y2, rstd2 = ne.rmsnorm_forward(x0 + add, w)
+    xo, h, r = _nan(N, D), _nan(N, D), _nan(N)
+    rmsnorm_fwd(_d(x0), _d(w), h, r, add=_d(add), xout=xo)
+    R.append(("rmsnorm fwd + residual add", max(rel_err(xo, x0 + add), rel_err(h, y2), rel_err(r, rstd2)), tol))
+    dy, dres = randn(N, D), randn(N, D)
+    dx_ref, dw_ref = dres.copy(), np.zeros(D)
+    ne.rmsnorm_backward(dy, x0, w, rstd, dx_ref, dw_ref)
+    dxg, dwg = _d(dres), _nan(D)
+    rmsnorm_bwd(_d(dy), _d(x0), _d(w), _d(rstd), dxg, dwg, _nan(3, D), accumulate=True)
+    R.append(("rmsnorm bwd dx (+= residual)", rel_err(dxg, dx_ref), tol))
+    R.append(("rmsnorm bwd dw (2-pass sum)", rel_err(dwg, dw_ref), tol))
+    # RoPE on the q and k heads of a fused q|k|v buffer (v untouched), then back
+    B, T, Hq, Hkv, hd = 2, 19, 4, 2, 32
+    N, S = B * T, (Hq + 2 * Hkv) * hd
+    cos, sin = ne.rope_tables(64, hd, np.float64)
+    u = randn(N, S)
+    pos = np.tile(np.arange(T, dtype=np.int32), B)
+    ref = u.copy()
+    ref[:, :(Hq + Hkv) * hd] = ne.rope_forward(u[:, :(Hq + Hkv) * hd].reshape(N, Hq + Hkv, hd), pos, cos, sin).reshape(N, -1)
+    g = _d(u)
+    rope(g, _d(cos), _d(sin), T, Hq + Hkv, hd)
+    R.append(("rope fwd", rel_err(g, ref), tol))
+    rope(g, _d(cos), _d(sin), T, Hq + Hkv, hd, sign=-1.0)
+    R.append(("rope bwd (inverse rotation)", rel_err(g, u), tol))
+    ref = ne.rope_forward(u[:, :hd].reshape(N, 1, hd), np.arange(5, 5 + N, dtype=np.int32), cos, sin).reshape(N, hd)
+    g = _d(u[:, :hd])
+    rope(g, _d(cos), _d(sin), N, 1, hd, pos0=5)
+    R.append(("rope fwd at positions pos0..", rel_err(g, ref), tol))
+    # SwiGLU
+    N, F = 37, 50
+    gu, dact = randn(N, 2 * F) * 2, randn(N, F)
+    act = _nan(N, F)
+    swiglu_fwd(_d(gu), act)
+    R.append(("swiglu fwd", rel_err(act, ne.swiglu_forward(gu)), tol))
+    gg = _d(gu)
+    swiglu_bwd(_d(dact), gg)
+    R.append(("swiglu bwd", rel_err(gg, ne.swiglu_backward(dact, gu)), tol))
+    # cross-entropy of 3 MTP heads with ignored targets; gradient in place
+    B, T, V, K = 3, 23, 97, 3
+    N = B * T
+    logits, y = randn(N, K * V) * 3, rng.integers(0, V, (B, T)).astype(np.int32)
+    y[rng.random((B, T)) < 0.2] = -1
+    ref = logits.copy()
+    obj_ref, ces_ref = ne.mtp_loss(ref, y, K, 0.3)
+    sc, inv = loss_weights(y, K, 0.3)
+    lg, rl, ce = _d(logits), _nan(K, N), _nan(K)
+    xent(lg, cp.asarray(y.reshape(-1)), _d(sc), rl, T, K, want_grad=True)
+    loss_reduce(rl, _d(inv), ce)
+    R.append(("cross-entropy loss (3 heads, -1 ignored)", rel_err(ce, ces_ref), tol))
+    R.append(("cross-entropy grad (fused softmax)", rel_err(lg, ref), tol))
+    # attention: flash and naive, head dims 32 and 64, partial tiles
+    for hd, Hq, Hkv, B, T in ((32, 4, 2, 2, 100), (64, 6, 2, 2, 130)):
+        N, Cq, Ck = B * T, Hq * hd, Hkv * hd
+        qkv, dout = randn(N, Cq + 2 * Ck) * 1.5, randn(N, Cq)
+        q, k, v = (qkv[:, :Cq].reshape(N, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(N, Hkv, hd),
+                   qkv[:, Cq + Ck:].reshape(N, Hkv, hd))
+        out_r, lse_r, dq_r, dk_r, dv_r = _attn_ref(q, k, v, B, T, dout.reshape(N, Hq, hd))
+        dqkv_r = np.concatenate([dq_r.reshape(N, Cq), dk_r.reshape(N, Ck), dv_r.reshape(N, Ck)], 1)
+        for kind in ("flash", "naive"):
+            g_qkv, out, dqkv = _d(qkv), _nan(N, Cq), _nan(N, Cq + 2 * Ck)
+            if kind == "flash":
+                lse = _nan(B, Hq, T)
+                flash_fwd(g_qkv, out, lse, B, T, Hq, Hkv, hd)
+                flash_bwd(g_qkv, out, _d(dout), lse, dqkv, _nan(B, Hq, T), _nan((T + 63) // 64, N, Cq),
+                          B, T, Hq, Hkv, hd)
+                R.append((f"flash attention lse hd={hd}", rel_err(lse, lse_r), tol))
+            else:
+                Pm, ws = _nan(B, Hq, T, T), naive_scratch(B, T, Hq, Hkv, hd)
+                naive_fwd(g_qkv, out, Pm, ws, B, T, Hq, Hkv, hd)
+                naive_bwd(g_qkv, _d(dout), Pm, dqkv, ws, B, T, Hq, Hkv, hd)
+            tag = f"{kind} attention hd={hd} Hq/Hkv={Hq}/{Hkv} T={T}"
+            R.append((f"{tag} fwd", rel_err(out, out_r.reshape(N, Cq)), tol))
+            d = cp.asnumpy(dqkv)
+            R.append((f"{tag} bwd dq", rel_err(d[:, :Cq], dqkv_r[:, :Cq]), tol))
+            R.append((f"{tag} bwd dk", rel_err(d[:, Cq:Cq + Ck], dqkv_r[:, Cq:Cq + Ck]), tol))
+            R.append((f"{tag} bwd dv", rel_err(d[:, Cq + Ck:], dqkv_r[:, Cq + Ck:]), tol))
+    # inference attention over a KV cache: a 7-token prefill, then 3 more tokens
+    hd, Hq, Hkv, T, ctx = 32, 4, 2, 10, 40
+    Cq, Ck = Hq * hd, Hkv * hd
+    qkv = randn(T, Cq + 2 * Ck) * 1.5
+    out_r = ne.attention_forward(qkv[:, :Cq].reshape(T, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(T, Hkv, hd),
+                                 qkv[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq)
+    kc, vc, out, g = _nan(Hkv, ctx, hd), _nan(Hkv, ctx, hd), _nan(T, Cq), _d(qkv)
+    for a, b in ((0, 7), (7, 10)):
+        kv_store(g[a:b], kc, vc, a, Hq, Hkv, hd)
+        attn_cached(g[a:b], kc, vc, out[a:b], a, Hq, Hkv, hd)
+    R.append(("KV-cache attention (prefill + decode)", rel_err(out, out_r), tol))
+    # gradient norm, clipping and AdamW on the tiny config's layout (decay only on matrices/embedding)
+    cfg = ne.CONFIGS["tiny"]
+    n = ne.num_params(cfg)
+    p, gr, m, v = randn(n), randn(n) * 0.05, randn(n) * 0.01, rng.random(n) * 1e-3
+    Pd, Gd, = DeviceParams(cfg, _d(p)), DeviceParams(cfg, _d(gr))
+    opt = AdamW(Pd, Gd)
+    opt.m.flat[...], opt.v.flat[...] = _d(m), _d(v)
+    opt.step_count = 2
+    opt.step(3e-3)
+    norm = float(np.sqrt(np.dot(gr, gr)))
+    pr, mr, vr = p.copy(), m.copy(), v.copy()
+    ne.adamw_step(pr, gr, mr, vr, ne.decay_mask(cfg, np.float64), 3e-3, 0.9, 0.95, 1e-8, 0.1, 3,
+                  min(1.0, 1.0 / (norm + 1e-6)))
+    R.append(("grad norm (float64 partials)", rel_err(opt.norm, [norm]), tol))
+    R.append(("adamw (clip, decay mask) params", rel_err(Pd.flat - _d(p), pr - p), 1e-4))
+    R.append(("adamw moments m, v", max(rel_err(opt.m.flat, mr), rel_err(opt.v.flat, vr)), tol))
+    # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
+    M, Nn, Kk = 96, 80, 1000
+    errs = {}
+    for tf32 in (False, True):
+        set_tf32(tf32)
+        e = 0.0
+        for ta in (False, True):
+            for tb in (False, True):
+                A, Bm = randn(M, Kk), randn(Nn, Kk)
+                A_ = A.T.copy() if ta else A
+                B_ = Bm if tb else Bm.T.copy()
+                C0 = randn(M, Nn)
+                C = _d(C0)
+                mm(C, _d(A_), _d(B_), ta=ta, tb=tb, alpha=0.5, beta=1.0)
+                e = max(e, rel_err(C, 0.5 * A @ Bm.T + C0))
+        A, Bm = randn(3, 40, Kk), randn(3, 30, Kk)
+        C = _nan(3, 40, 30)
+        bmm(C, _d(A), _d(Bm), tb=True)
+        errs[tf32] = max(e, rel_err(C, A @ Bm.transpose(0, 2, 1)))
+    set_tf32(False)
+    R.append(("gemm fp32 (cuBLAS, 4 transposes + batched)", errs[False], tol))
+    R.append(("gemm TF32 (must be > 1e-4: TF32 engaged)", errs[True], 1e-2 if errs[True] > 1e-4 else -1))
+    return R
+
+
+def print_table(rows, head=("check", "max rel err", "tol", "")):
+    w = max(len(r[0]) for r in rows) + 2
+    print(f"{head[0]:<{w}}{head[1]:>12}  {head[2]:>8}  result")
+    ok_all = True
+    for name, err, tol in rows:
+        ok = err <= tol and np.isfinite(err)
+        ok_all &= bool(ok)
+        print(f"{name:<{w}}{err:12.2e}  {tol:8.0e}  {'pass' if ok else 'FAIL'}")
+    return ok_all
+
+
+def cmd_selftest(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py")
+    p.add_argument("--seed", type=int, default=None)
+    a = p.parse_args(argv)
+    path, comp = compile_check()
+    if path is None:
+        print("nvrtc compile check: no libnvrtc found via ctypes (CuPy compiles the kernels below)")
+    else:
+        bad = [(n, log) for n, ok, log in comp if not ok]
+        print(f"nvrtc compile check ({path}): {len(comp) - len(bad)}/{len(comp)} modules compile for compute_90")
+        for n, log in bad:
+            print(f"--- {n}:\n{log}")
+    gpu()
+    set_tf32(False)
+    seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
+    print(f"self-test on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, fresh inputs (seed {seed}), "
+          f"outputs poisoned with NaN; error = max|gpu - ref| / max|ref| vs float64")
+    rows = selftest_checks(np.random.default_rng(seed))
+    ok = print_table(rows) and (path is None or all(ok for _, ok, _ in comp))
+    print("self-test:", "PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# gradient check: the whole model on the GPU (float32, TF32 off) against nanoeuler.loss_and_grads in
+# float64 on the same float32 weights; several layers, Hq/Hkv > 1, >= 3 MTP heads, -1 targets
+
+GRADCHECK = [  # (tag, config, B, T, attention)
+    ("hd32", ne.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "flash"),
+    ("hd64", ne.Config(dim=128, n_heads=2, n_kv_heads=1, n_layers=2, ctx=160, vocab=200, ffn=384, n_mtp=4), 2, 150, "flash"),
+    ("naive", ne.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "naive"),
+]
+
+
+def gradcheck_params(cfg, rng):
+    """Weights that make every path matter: peaky attention, non-trivial norm weights."""
+    P = ne.Params(cfg)
+    for name, view in P.items():
+        view[:] = 1 + 0.2 * rng.standard_normal(view.shape) if view.ndim == 1 else \
+            rng.standard_normal(view.shape) * (0.5 if name == "tok_emb" else 0.1)
+    return P
+
+
+def cmd_gradcheck(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py g")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    gpu()
+    set_tf32(False)
+    rng = np.random.default_rng(a.seed)
+    rows = []
+    for tag, cfg, B, T, attn in GRADCHECK:
+        P = gradcheck_params(cfg, rng)
+        x = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
+        y = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
+        y[rng.random((B, T)) < 0.15] = -1
+        obj_r, ces_r, G_r = ne.loss_and_grads(P.astype(np.float64), x, y)
+        model = Model(cfg, B, T, attn=attn)
+        model.P.upload(P)
+        model.set_batch(x, y, want_grad=True)
+        model.G.flat.fill(np.nan)                              # every gradient must be written
+        model.forward(want_loss=True, want_grad=True)
+        model.backward()
+        obj, ces = model.losses()
+        G = model.G.download()
+        head = f"[{tag}: D={cfg.dim} Hq/Hkv={cfg.n_heads}/{cfg.n_kv_heads} L={cfg.n_layers} MTP={cfg.n_mtp} B={B} T={T} {attn}]"
+        rows.append((f"{head} objective", abs(obj - obj_r) / abs(obj_r), 1e-5))
+        for name in G.names:
+            rows.append((f"{tag} {name}", rel_err(G[name], G_r[name]), 1e-5))
+    print("gradient check: GPU float32 (TF32 off) vs nanoeuler.loss_and_grads float64 on the same weights; "
+          "error = max|g - g_ref| / max|g_ref| per tensor")
+    ok = print_table(rows, ("tensor", "max rel err", "tol", ""))
+    worst = max(rows, key=lambda r: r[1])
+    print(f"gradient check: {'PASS' if ok else 'FAIL'} (worst {worst[1]:.2e}: {worst[0]})")
+    sys.exit(0 if ok else 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# bench: training speed of `big` (tokens/s, ms/step, MFU, memory) at two batch sizes; FlashAttention
+# against the naive path (kernel and whole step). Times are CUDA-event medians after warm-up steps.
+# MFU = model FLOPs / time / 406 TFLOP/s (the H200's TF32 figure used by the project); model FLOPs per
+# token are nanoeuler.model_flops_per_token: 6 per matrix weight (all matrices, heads included, no
+# embedding or norms) + 12 * L * T * D for the attention products counted over the full T x T (the
+# PaLM convention: the causal half that is skipped still counts), so MFU is comparable across engines.
+
+PEAK_TFLOPS = 406.0
+
+
+def _time(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def bench_step(cfg, B, T, attn, reps):
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    used0 = pool.total_bytes()
+    model = Model(cfg, B, T, attn=attn)
+    model.P.upload(ne.Params.init(cfg))
+    opt = AdamW(model.P, model.G)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab, (B, T)).astype(np.int32) for _ in range(2))
+
+    def step():
+        model.set_batch(x, y, want_grad=True)
+        model.forward(want_loss=True, want_grad=True)
+        model.backward()
+        opt.step(1e-4)
+
+    ms = _time(step, reps, warmup=3)
+    peak = pool.total_bytes() - used0
+    free, total = cp.cuda.runtime.memGetInfo()
+    obj = model.losses()[0]
+    del model, opt
+    pool.free_all_blocks()
+    return ms, peak, total - free, obj
+
+
+def cmd_bench(argv):
+    p = ne.Parser(prog="nanoeuler_cuda.py bench")
+    p.add_argument("--config", default="big", choices=sorted(ne.CONFIGS))
+    p.add_argument("--batches", default="16,64", help="batch sizes, comma-separated (default 16,64)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per size (median)")
+    p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive-attention runs")
+    a = p.parse_args(argv)
+    try:
+        batches = [int(b) for b in a.batches.split(",")]
+    except ValueError:
+        die(f"--batches wants integers separated by commas, got {a.batches!r}")
+    gpu()
+    cfg, T = ne.CONFIGS[a.config], a.seq
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"bench on {name}: {a.config} {cfg}, {ne.num_params(cfg):,} parameters, T={T}, TF32 GEMMs, "
+          f"flash attention; median of {a.steps} steps after 3 warm-up steps")
+    set_tf32(True)
+    fpt = ne.model_flops_per_token(cfg, T)
+    rows = []
+    for B in batches:
+        ms, peak, dev, obj = bench_step(cfg, B, T, "flash", a.steps)
+        rows.append((f"train step B={B} T={T} (flash)", ms, B * T / ms * 1e3, fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS,
+                     peak / 2 ** 30, dev / 2 ** 30))
+        print(f"  B={B}: {ms:.2f} ms/step, {B * T / ms * 1e3:,.0f} tokens/s, loss {obj:.3f}", flush=True)
+    naive_ms = None
+    if a.naive and cfg.head_dim in (32, 64):
+        B = batches[0]
+        naive_ms, peak, dev, obj = bench_step(cfg, B, T, "naive", a.steps)
+        rows.append((f"train step B={B} T={T} (naive attention)", naive_ms, B * T / naive_ms * 1e3,
+                     fpt * B * T / (naive_ms / 1e3) / 1e12 / PEAK_TFLOPS, peak / 2 ** 30, dev / 2 ** 30))
+    print(f"\n{'run':<40}{'ms/step':>9}{'tokens/s':>11}{'MFU':>7}{'pool GiB':>10}{'dev GiB':>9}")
+    for r in rows:
+        print(f"{r[0]:<40}{r[1]:9.2f}{r[2]:11,.0f}{100 * r[3]:6.1f}%{r[4]:10.2f}{r[5]:9.2f}")
+    print("  (pool GiB: bytes the run allocated = its peak, everything is preallocated; dev GiB: device memory in "
+          "use per cudaMemGetInfo, CUDA context, cuBLAS workspace and other runs' cached blocks included)")
+    # attention alone: B=16, Hq=12, Hkv=4, T=512, hd=64, forward + backward
+    B, Hq, Hkv, hd, Ta = 16, 12, 4, 64, 512
+    N, Cq, Ck = B * Ta, Hq * hd, Hkv * hd
+    rng = np.random.default_rng(0)
+    qkv, dout = _d(rng.standard_normal((N, Cq + 2 * Ck))), _d(rng.standard_normal((N, Cq)))
+    out, dqkv, lse, Dv = _nan(N, Cq), _nan(N, Cq + 2 * Ck), _nan(B, Hq, Ta), _nan(B, Hq, Ta)
+    dqp = _nan(Ta // 64, N, Cq)
+    f_fwd = _time(lambda: flash_fwd(qkv, out, lse, B, Ta, Hq, Hkv, hd), 20)
+    f_all = _time(lambda: (flash_fwd(qkv, out, lse, B, Ta, Hq, Hkv, hd),
+                           flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, Ta, Hq, Hkv, hd)), 20)
+    Pm, ws = _nan(B, Hq, Ta, Ta), naive_scratch(B, Ta, Hq, Hkv, hd)
+    global NAIVE_TF32
+    naive = {}
+    for tf in (False, True):
+        NAIVE_TF32 = tf
+        naive[tf] = (_time(lambda: naive_fwd(qkv, out, Pm, ws, B, Ta, Hq, Hkv, hd), 20),
+                     _time(lambda: (naive_fwd(qkv, out, Pm, ws, B, Ta, Hq, Hkv, hd),
+                                    naive_bwd(qkv, dout, Pm, dqkv, ws, B, Ta, Hq, Hkv, hd)), 20))
+    NAIVE_TF32 = False
+    n_fwd, n_all = naive[False]
+    kf, kb = _k("flash_fwd_64"), _k("flash_bwd_64")
+    regs = f"flash_fwd_64 {kf.num_regs} regs / {kf.local_size_bytes} B local, flash_bwd_64 {kb.num_regs} regs / {kb.local_size_bytes} B local"
+    print(f"\nattention fwd+bwd, B={B} Hq={Hq} Hkv={Hkv} T={Ta} hd={hd}, fp32 (median of 20):")
+    print(f"  flash: fwd {f_fwd:.3f} ms, fwd+bwd {f_all:.3f} ms   ({regs})")
+    print(f"  naive: fwd {n_fwd:.3f} ms, fwd+bwd {n_all:.3f} ms   (fp32 cuBLAS batched GEMMs + softmax kernels, "
+          f"T x T probabilities kept: {B * Hq * Ta * Ta * 4 / 2 ** 20:.0f} MiB per layer)")
+    print(f"  naive with TF32 score/value products (not SPEC precision, for reference): fwd {naive[True][0]:.3f} ms, "
+          f"fwd+bwd {naive[True][1]:.3f} ms")
+    print(f"  flash speedup over naive: {n_all / f_all:.2f}x (attention), "
+          + (f"{naive_ms / rows[0][1]:.2f}x (whole step at B={batches[0]})" if naive_ms else "whole step not run"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# main
+
+MODES = {"": cmd_selftest, "g": cmd_gradcheck, "t": lambda a: cmd_train(a, False), "tr": lambda a: cmd_train(a, True),
+         "i": cmd_infer, "s": cmd_sft, "c": cmd_chat, "bench": cmd_bench}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return
+    mode, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("", argv)
+    if mode not in MODES:
+        die(f"unknown mode {mode!r} (modes: none for the self-test, g, t, tr, i, s, c, bench; --help)")
+    MODES[mode](rest)
+
+
+if __name__ == "__main__":
+    main()
