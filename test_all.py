@@ -253,6 +253,25 @@ def test_sft_loss_mask_is_exact():
     assert len(ids) == len(prompt) + 1 and targets.tolist()[-2:] == response[:2]
 
 
+def test_chat_ctrl_c_stops_only_the_answer(tmp_path, corpus):
+    import signal
+    out = tmp_path / "c"
+    assert _train(out, corpus, "--steps", 1).returncode == 0
+    # greedy, so the answer is the same every run (no early <|endoftext|>) and long enough to interrupt
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler.py"), "chat", "--ckpt", str(out / "ckpt.npz"),
+                          "--tokens", "500", "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    p.stdin.write("The\n")
+    p.stdin.flush()
+    seen = ""
+    while seen.count("> ") < 1 or len(seen.split("> ", 1)[1]) < 5:    # the first characters of the answer
+        seen += p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate("A\n", timeout=120)
+    assert p.returncode == 0, err
+    assert "[stopped]" in rest and rest.count("> ") >= 2, rest         # the session went on to the next prompt
+
+
 def test_pretrain_sft_chat_end_to_end(tmp_path):
     env = {"NANOEULER_CACHE": str(tmp_path / "cache")}
     base, chat = tmp_path / "base", tmp_path / "chat"
