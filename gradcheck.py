@@ -96,11 +96,12 @@ def _op_cases(rng):
         R = r(N, Hq, hd)
         return (lambda: float((ne.rope_forward(u, pos, cos, sin) * R).sum())), {"u": ne.rope_backward(R, pos, cos, sin)}
 
-    def attention(q, k, v):
+    def attention(q, k, v):                        # 3 query chunks, so the causal blocking is checked too
         R = r(N, Hq, hd)
-        _, cache = ne.attention_forward(q, k, v, B, T)
+        _, cache = ne.attention_forward(q, k, v, B, T, n_chunks=3)
         dq, dk, dv = ne.attention_backward(R, cache, B, T)
-        return (lambda: float((ne.attention_forward(q, k, v, B, T)[0] * R).sum())), {"q": dq, "k": dk, "v": dv}
+        f = lambda: float((ne.attention_forward(q, k, v, B, T, n_chunks=3)[0] * R).sum())
+        return f, {"q": dq, "k": dk, "v": dv}
 
     def swiglu(gu):
         R = r(N, D)

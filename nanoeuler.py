@@ -295,86 +295,98 @@ def rope_backward(du, pos, cos, sin):
 
 
 # --- causal grouped-query attention ---
-# Query heads are grouped by the kv head they read: q is laid out (B, Hkv, G*T, hd) with G = Hq/Hkv,
-# so each kv head's G query heads form one tall matrix and the score products are plain batched GEMMs
-# (numpy -> BLAS) with no copy of k or v per query head.
+# Layout: the G = Hq/Hkv query heads that read one kv head are interleaved into one tall matrix,
+# q (B, Hkv, T*G, hd) with row r = t*G + g, so the score products are plain batched GEMMs (numpy -> BLAS)
+# with no copy of k or v per query head. Causality is used by blocks: the queries are cut into chunks of
+# positions, and chunk c (positions t0 .. t1-1) is multiplied with the keys 0 .. t1-1 only. Two chunks skip
+# a quarter of the score and value products; more chunks make the GEMMs too small to pay (measured).
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _causal_softmax(S, T, scale):
-    """S (B, Hkv, G*T, T) unscaled scores -> softmax(scale * S) in place; row r is position t = r % T and
-    sees keys 0..t (the rest become 0)."""
+def _causal_softmax(S, t0, G, scale):
+    """S (B, Hkv, R, K) unscaled scores of the query rows of positions t0.. -> softmax(scale * S) in place.
+    Row r is position t = t0 + r // G and sees keys 0..t (the rest become 0)."""
     B, H, R, _ = S.shape
-    for bh in prange(B * H):
-        for r in range(R):
-            row = S[bh // H, bh % H, r]
-            t = r % T
-            m = row[0]
-            for j in range(1, t + 1):
-                m = max(m, row[j])
-            z = 0.0
-            for j in range(t + 1):
-                e = fexp((row[j] - m) * scale)
-                row[j] = e
-                z += e
-            inv = 1.0 / z
-            for j in range(t + 1):
-                row[j] *= inv
-            row[t + 1:] = 0.0
+    for bhr in prange(B * H * R):
+        r = bhr % R
+        row = S[bhr // (H * R), (bhr // R) % H, r]
+        t = t0 + r // G
+        m = row[0]
+        for j in range(1, t + 1):
+            m = max(m, row[j])
+        z = 0.0
+        for j in range(t + 1):
+            e = fexp((row[j] - m) * scale)
+            row[j] = e
+            z += e
+        inv = 1.0 / z
+        for j in range(t + 1):
+            row[j] *= inv
+        row[t + 1:] = 0.0
 
 
 @njit(parallel=True, cache=True, fastmath=True)
-def _softmax_backward(P, dP, scale, T):
-    """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale; causal."""
+def _softmax_backward(P, dP, scale, t0, G):
+    """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale."""
     B, H, R, _ = P.shape
-    for bh in prange(B * H):
-        for r in range(R):
-            p, d = P[bh // H, bh % H, r], dP[bh // H, bh % H, r]
-            t = r % T
-            s = 0.0
-            for j in range(t + 1):
-                s += p[j] * d[j]
-            for j in range(t + 1):
-                d[j] = p[j] * (d[j] - s) * scale
-            d[t + 1:] = 0.0
+    for bhr in prange(B * H * R):
+        r = bhr % R
+        p, d = P[bhr // (H * R), (bhr // R) % H, r], dP[bhr // (H * R), (bhr // R) % H, r]
+        t = t0 + r // G
+        s = 0.0
+        for j in range(t + 1):
+            s += p[j] * d[j]
+        for j in range(t + 1):
+            d[j] = p[j] * (d[j] - s) * scale
+        d[t + 1:] = 0.0
 
 
 def _to_groups(u, B, T, Hkv):
-    """(N, Hq, hd) -> (B, Hkv, G*T, hd)."""
-    hd = u.shape[-1]
-    G = u.shape[1] // Hkv
-    return np.ascontiguousarray(u.reshape(B, T, Hkv, G, hd).transpose(0, 2, 3, 1, 4)).reshape(B, Hkv, G * T, hd)
+    """(N, Hkv*G, hd) -> (B, Hkv, T*G, hd), row t*G + g."""
+    hd, G = u.shape[-1], u.shape[1] // Hkv
+    return np.ascontiguousarray(u.reshape(B, T, Hkv, G * hd).transpose(0, 2, 1, 3)).reshape(B, Hkv, T * G, hd)
 
 
-def _from_groups(ug, B, T, Hq):
-    """(B, Hkv, G*T, hd) -> (N, Hq, hd)."""
+def _from_groups(ug, B, T):
+    """(B, Hkv, T*G, hd) -> (N, Hkv*G, hd)."""
     Hkv, hd = ug.shape[1], ug.shape[-1]
-    G = Hq // Hkv
-    return np.ascontiguousarray(ug.reshape(B, Hkv, G, T, hd).transpose(0, 3, 1, 2, 4)).reshape(B * T, Hq, hd)
+    G = ug.shape[2] // T
+    return np.ascontiguousarray(ug.reshape(B, Hkv, T, G * hd).transpose(0, 2, 1, 3)).reshape(B * T, Hkv * G, hd)
 
 
-def attention_forward(q, k, v, B, T):
-    """q (N, Hq, hd), k and v (N, Hkv, hd), already rotated -> out (N, Hq, hd), cache for backward."""
-    Hq, Hkv, hd = q.shape[1], k.shape[1], q.shape[2]
-    qg = _to_groups(q, B, T, Hkv)                                   # (B, Hkv, G*T, hd)
-    kg = _to_groups(k, B, T, Hkv)                                   # (B, Hkv, T, hd)
-    vg = _to_groups(v, B, T, Hkv)
-    P = np.matmul(qg, kg.transpose(0, 1, 3, 2))                     # scores (B, Hkv, G*T, T)
-    _causal_softmax(P, T, P.dtype.type(1.0 / math.sqrt(hd)))             # scale in the scores' dtype
-    out = _from_groups(np.matmul(P, vg), B, T, Hq)
-    return out, (qg, kg, vg, P)
+def attention_forward(q, k, v, B, T, n_chunks=None):
+    """q (N, Hq, hd), k and v (N, Hkv, hd), already rotated -> out (N, Hq, hd), cache for backward.
+    n_chunks: query chunks (default 2 from T = 128 on)."""
+    Hkv, hd = k.shape[1], q.shape[2]
+    G = q.shape[1] // Hkv
+    qg, kg, vg = _to_groups(q, B, T, Hkv), _to_groups(k, B, T, Hkv), _to_groups(v, B, T, Hkv)
+    out = np.empty_like(qg)
+    C = -(-T // (n_chunks or (2 if T >= 128 else 1)))             # positions per chunk
+    scale = qg.dtype.type(1.0 / math.sqrt(hd))                     # in the scores' dtype
+    probs = []
+    for t0 in range(0, T, C):
+        t1 = min(T, t0 + C)
+        P = np.matmul(qg[:, :, t0 * G:t1 * G], kg[:, :, :t1].transpose(0, 1, 3, 2))   # (B, Hkv, C*G, t1)
+        _causal_softmax(P, t0, G, scale)
+        np.matmul(P, vg[:, :, :t1], out=out[:, :, t0 * G:t1 * G])
+        probs.append(P)
+    return _from_groups(out, B, T), (qg, kg, vg, probs, C)
 
 
 def attention_backward(dout, cache, B, T):
-    qg, kg, vg, P = cache
-    Hkv, hd = kg.shape[1], kg.shape[3]
-    Hq = dout.shape[1]
-    dog = _to_groups(dout, B, T, Hkv)                               # (B, Hkv, G*T, hd)
-    dvg = np.matmul(P.transpose(0, 1, 3, 2), dog)                   # sums over the G query heads
-    dS = np.matmul(dog, vg.transpose(0, 1, 3, 2))                   # dP, then dS in place
-    _softmax_backward(P, dS, 1.0 / math.sqrt(hd), T)
-    dqg = np.matmul(dS, kg)
-    dkg = np.matmul(dS.transpose(0, 1, 3, 2), qg)
-    return _from_groups(dqg, B, T, Hq), _from_groups(dkg, B, T, Hkv), _from_groups(dvg, B, T, Hkv)
+    qg, kg, vg, probs, C = cache
+    hd, G = kg.shape[3], qg.shape[2] // T
+    scale = qg.dtype.type(1.0 / math.sqrt(hd))
+    dog = _to_groups(dout, B, T, kg.shape[1])                       # (B, Hkv, T*G, hd)
+    dqg, dkg, dvg = np.empty_like(qg), np.zeros_like(kg), np.zeros_like(vg)
+    for t0, P in zip(range(0, T, C), probs):
+        t1 = min(T, t0 + C)
+        rows = slice(t0 * G, t1 * G)
+        dvg[:, :, :t1] += np.matmul(P.transpose(0, 1, 3, 2), dog[:, :, rows])   # sums over query heads
+        dS = np.matmul(dog[:, :, rows], vg[:, :, :t1].transpose(0, 1, 3, 2))     # dP, then dS in place
+        _softmax_backward(P, dS, scale, t0, G)
+        np.matmul(dS, kg[:, :, :t1], out=dqg[:, :, rows])
+        dkg[:, :, :t1] += np.matmul(dS.transpose(0, 1, 3, 2), qg[:, :, rows])
+    return _from_groups(dqg, B, T), _from_groups(dkg, B, T), _from_groups(dvg, B, T)
 
 
 # --- SwiGLU: act = silu(g) * u, with gu = [g | u] from one product against w1|w3 ---

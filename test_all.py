@@ -96,6 +96,23 @@ def test_lr_schedule_warmup_then_cosine_to_ten_percent():
     assert ne.lr_at(1000, 1000, 1.0, 100) == pytest.approx(0.1)
 
 
+def test_attention_causal_chunks_change_nothing():
+    rng = np.random.default_rng(0)
+    B, T = 2, 130
+    q, k, v = rng.standard_normal((B * T, 4, 8)), rng.standard_normal((B * T, 2, 8)), rng.standard_normal((B * T, 2, 8))
+    dout = rng.standard_normal((B * T, 4, 8))
+    one, cache1 = ne.attention_forward(q, k, v, B, T, n_chunks=1)
+    four, cache4 = ne.attention_forward(q, k, v, B, T, n_chunks=4)
+    assert np.allclose(one, four, atol=1e-12)
+    for g1, g4 in zip(ne.attention_backward(dout, cache1, B, T), ne.attention_backward(dout, cache4, B, T)):
+        assert np.allclose(g1, g4, atol=1e-12)
+    k2, v2 = k.copy(), v.copy()                       # causality: the last key and value change only the last output
+    k2[T - 1] += 1.0
+    v2[T - 1] += 1.0
+    other, _ = ne.attention_forward(q, k2, v2, B, T)
+    assert np.allclose(other[:T - 1], one[:T - 1], atol=1e-12) and not np.allclose(other[T - 1], one[T - 1])
+
+
 def test_gradcheck_every_op_and_tensor():
     ops = gradcheck.check_ops()
     model = gradcheck.check_model()
