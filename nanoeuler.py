@@ -1302,31 +1302,30 @@ def cmd_chat(a):
 # bench: training step and sampling speed of `small` at B=8, T=256
 
 def cmd_bench(a):
+    """Training steps on real batches of the embedded corpus (a repeated batch would be memorised, and
+    its vanishing probabilities underflow into slow denormal floats)."""
     cfg = CONFIGS[a.config]
     B, T = a.batch, a.seq
-    rng = np.random.default_rng(0)
+    tokens, _ = prepare_data(None, cfg.vocab, CACHE)
+    batches = Batches(tokens, B, T)
     P = Params.init(cfg)
-    opt = AdamW(P, 1e-3)
-    x = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
-    y = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
-    G = Params(cfg)
+    trainer = Trainer(P)
     t0 = time.time()
-    loss_and_grads(P, x, y, G)
-    opt.step(P, G, 1e-3)
+    trainer.step(*batches.next(), 1e-3)
     print(f"config {a.config}: {num_params(cfg):,} parameters, B={B}, T={T}; first step (JIT load) {time.time() - t0:.2f} s")
     for _ in range(2):
-        loss_and_grads(P, x, y, G)
-        opt.step(P, G, 1e-3)
+        trainer.step(*batches.next(), 1e-3)
     times = []
     for _ in range(a.steps):
+        x, y = batches.next()
         t0 = time.perf_counter()
-        loss_and_grads(P, x, y, G)
-        opt.step(P, G, 1e-3)
+        trainer.step(x, y, 1e-3)
         times.append(time.perf_counter() - t0)
     ms = float(np.median(times)) * 1e3
     flops = model_flops_per_token(cfg, T) * B * T
     print(f"train: {ms:.1f} ms/step (median of {a.steps}, min {min(times) * 1e3:.1f}) | "
           f"{B * T / ms * 1e3:,.0f} tokens/s | {flops / ms / 1e6:.1f} GFLOP/s")
+    rng = np.random.default_rng(0)
     n = 128
     prompt = list(rng.integers(0, cfg.vocab, 16))
     t0 = time.perf_counter()
