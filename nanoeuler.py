@@ -1119,6 +1119,7 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
                                             "train": args}, extra)
 
     step, pending, t_last = start, [], time.time()
+    t_print, tokens_since_print = t_last, 0                        # the progress line's rate: since the last one
     while step < steps:
         lr = lr_at(step, steps, args["lr"], args["warmup"])
         x, y = batches.next()
@@ -1134,6 +1135,7 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
         # read back the steps since the last sync: the device may have run ahead of the host until here
         results, now = trainer.results(), time.time()
         dt = (now - t_last) / len(pending)
+        tokens_since_print += sum(n for _, _, n in pending)
         for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
             if not math.isfinite(objective):
                 die(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept ({ckpt_path})")
@@ -1146,7 +1148,9 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
         log.flush()
         if printing:
             eta = (steps - step) * (time.time() - t_start) / (step - start)
-            msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {n_tokens / dt:,.0f} tok/s | "
+            rate = tokens_since_print / (now - t_print)
+            t_print, tokens_since_print = time.time(), 0
+            msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
                    f"ETA {eta / 60:.1f} min")
             if evaluating:
                 msg += f" | val loss {rec['val_loss']:.4f}" + (f" | val bpb {rec['val_bpb']:.3f}" if "val_bpb" in rec else "")
