@@ -790,7 +790,7 @@ def save_checkpoint(path, P, tok, state=None, extra=None):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, want_state=False, expect_cfg=None):
+def load_checkpoint(path, want_state=False):
     """-> (Params float32, tokenizer, state or None, config extras). Bad files end with one line."""
     if not os.path.isfile(path):
         die(f"checkpoint not found: {path}")
@@ -799,8 +799,6 @@ def load_checkpoint(path, want_state=False, expect_cfg=None):
             files = set(z.files)
             meta = json.loads(str(z["config"]))
             cfg = Config.from_json(str(z["config"]))
-            if expect_cfg is not None and cfg != expect_cfg:
-                die(f"checkpoint {path} is for another config ({cfg}), expected {expect_cfg}")
             P = Params(cfg)
             for name, view in P.items():
                 if name not in files:
