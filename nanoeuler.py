@@ -471,12 +471,19 @@ def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True):
     logits (N, n_mtp*V). Returns the objective CE_0 + mtp_weight * mean(CE_1..CE_{n-1}) and the per-head
     means; with want_grad the logits are replaced, in place, by d(objective)/d(logits)."""
     tk = mtp_targets(targets, n_mtp).reshape(n_mtp, -1)
-    counts = (tk >= 0).sum(1)
-    weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
+    counts, scales = mtp_scales(targets, n_mtp, mtp_weight)
     losses = np.empty(tk.shape, np.float64)
-    _xent(logits, tk, (weights / np.maximum(counts, 1)).astype(logits.dtype), losses, want_grad)
+    _xent(logits, tk, scales.astype(logits.dtype), losses, want_grad)
     ces = [float(losses[k].sum() / counts[k]) if counts[k] else 0.0 for k in range(n_mtp)]
     return mtp_objective(ces, mtp_weight), ces
+
+
+def mtp_scales(targets, n_mtp, mtp_weight):
+    """Per head k: the number of counted targets, and the scale weight_k / count_k of its softmax gradient
+    (weight 1 for head 0, mtp_weight / (n_mtp - 1) for the others; 0 for a head with no target)."""
+    counts = np.array([int((targets[:, k:] >= 0).sum()) for k in range(n_mtp)])
+    weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
+    return counts, np.where(counts > 0, weights / np.maximum(counts, 1), 0.0)
 
 
 def mtp_objective(ces, mtp_weight):
@@ -848,6 +855,7 @@ class KVCache:
     def __init__(self, cfg, dtype=np.float32):
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
         self.k, self.v, self.len = np.zeros(shape, dtype), np.zeros(shape, dtype), 0
+        self.cos, self.sin = rope_tables(cfg.ctx, cfg.head_dim, dtype)    # once, not per generated token
 
 
 def forward_cached(P, ids, cache):
@@ -859,7 +867,7 @@ def forward_cached(P, ids, cache):
     Tn, start = len(ids), cache.len
     end = start + Tn
     assert end <= cfg.ctx
-    cos, sin = rope_tables(cfg.ctx, hd, P.flat.dtype)
+    cos, sin = cache.cos, cache.sin
     pos = np.arange(start, end, dtype=np.int32)
     # query row (g, t) sees keys 0..start+t
     mask = np.arange(end)[None, :] > (start + np.arange(Tn))[:, None]          # (Tn, end)

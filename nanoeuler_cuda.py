@@ -453,16 +453,9 @@ def loss_reduce(rowloss, inv_count, ce):
 
 
 def loss_weights(targets, n_mtp, mtp_weight):
-    """Host: per-head (scale, 1/count) for the objective CE_0 + mtp_weight * mean(CE_1..): the gradient
-    of head k is weight_k / count_k * (softmax - onehot); heads without targets weigh 0."""
-    B, T = targets.shape
-    scales, inv = np.zeros(n_mtp, np.float32), np.zeros(n_mtp, np.float32)
-    for k in range(n_mtp):
-        count = int((targets[:, k:] >= 0).sum())
-        w = 1.0 if k == 0 else mtp_weight / (n_mtp - 1)
-        if count:
-            scales[k], inv[k] = w / count, 1.0 / count
-    return scales, inv
+    """Host: per-head (gradient scale, 1/count) as float32, from nanoeuler's MTP weighting."""
+    counts, scales = ne.mtp_scales(targets, n_mtp, mtp_weight)
+    return scales.astype(np.float32), np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0).astype(np.float32)
 
 
 # --- FlashAttention, causal, grouped-query, fp32, head dim HD in {32, 64}.
