@@ -11,25 +11,44 @@ Sections: config | parameters | layers (forward next to backward) | model | opti
 checkpoints | sampling | SFT | chat | training | bench | main.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 
-# Two thread pools share the cores: OpenBLAS (matrix products) and OpenMP under Numba (everything else).
-# Each spins for a long while after its work and starves the other; short spins make them take turns
-# (measured: 2x faster training steps on 2 cores).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import numpy as np
 
 try:
-    from numba import njit, prange, types
-    from numba.extending import overload
-except ImportError:  # one clear line instead of a traceback
-    sys.exit("error: numba is not installed (pip install -r requirements.txt)")
+    from llvmlite import ir
+    from numba import njit, types
+    from numba.extending import intrinsic, overload
+    from threadpoolctl import threadpool_limits
+except ImportError as e:  # one clear line instead of a traceback
+    sys.exit(f"error: {e.name} is not installed (pip install -r requirements.txt)")
+
+# How the CPU is used (each measured on 2 cores, small model, B=8, T=256):
+# - Threads: a batch is cut into one shard of rows per core, and one thread runs the whole forward and
+#   backward of its shard, with a BLAS held to one thread and serial Numba kernels that release the GIL.
+#   No pool hands work to another between ops (119 ms per step against 169 with BLAS and Numba each
+#   parallel inside every op). NANOEULER_THREADS overrides the number of threads.
+# - Memory: glibc hands big freed blocks back to the OS at once, and every step then faults its fresh
+#   activation pages back in (17% of a step). mallopt keeps blocks up to 32 MB and 1 GB of free heap.
+# - Kernels: fastmath lets LLVM vectorise the reductions, and error_model="numpy" drops the zero-division
+#   checks that kept it from vectorising any loop with a division (SwiGLU: 6x faster).
+threadpool_limits(1, user_api="blas")
+N_THREADS = int(os.environ.get("NANOEULER_THREADS", 0)) or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                                        else os.cpu_count())
+try:
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.mallopt(-3, 32 << 20)                    # M_MMAP_THRESHOLD
+    _libc.mallopt(-1, 1 << 30)                     # M_TRIM_THRESHOLD
+except OSError:                                    # not glibc: nothing to tune
+    pass
+KERNEL_OPTIONS = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
 import bpe
 
@@ -154,10 +173,15 @@ class Params:
 # ----------------------------------------------------------------------------------------------------
 # exp and sigmoid: the scalar exp of libm does not vectorise and dominated the float32 kernels. In float32, exp(x) is
 # 2^n * 2^f with n = round(x log2 e) and 2^f, |f| <= 1/2, by its Taylor polynomial of degree 7 (relative
-# error ~1e-7, float32 rounding); 2^n comes from a table. In float64 (the gradient checks) it is the exact
-# np.exp, so the checks see the true function.
+# error ~1e-7, float32 rounding); 2^n is built from its IEEE bits. In float64 (the gradient checks) it is
+# the exact np.exp, so the checks see the true function.
 
-_POW2 = np.ldexp(np.float32(1), np.arange(-127, 128)).astype(np.float32)
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose IEEE-754 bits are the int32 bits: 2^n for bits = (n + 127) << 23."""
+    return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
+
+
 _EXP2_TAYLOR = [math.log(2) ** k / math.factorial(k) for k in range(8)]
 
 
@@ -165,7 +189,7 @@ def fexp(x):
     return math.exp(x)
 
 
-@overload(fexp, jit_options={"fastmath": True})
+@overload(fexp, jit_options=KERNEL_OPTIONS)
 def _fexp(x):
     if x != types.float32:
         return lambda x: np.exp(x)
@@ -176,8 +200,7 @@ def _fexp(x):
         n = np.floor(t + np.float32(0.5))
         f = t - n
         p = c0 + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * (c5 + f * (c6 + f * c7))))))
-        i = min(max(np.int32(n) + 127, 0), 254)       # integer clamp: a NaN x must not index outside
-        return p * _POW2[i]
+        return p * _float32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))   # a NaN x: p is NaN
     return exp32
 
 
@@ -185,7 +208,7 @@ def sigmoid(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-@overload(sigmoid, jit_options={"fastmath": True})
+@overload(sigmoid, jit_options=KERNEL_OPTIONS)
 def _sigmoid(x):
     if x != types.float32:
         return lambda x: 1.0 / (1.0 + np.exp(-x))
@@ -203,7 +226,7 @@ def embedding_forward(tok_emb, idx):
     return tok_emb[idx.reshape(-1)]                                # (N, D)
 
 
-@njit(cache=True)
+@njit(**KERNEL_OPTIONS)
 def embedding_backward(dx, idx, dtok_emb):
     """dtok_emb[idx[n]] += dx[n]; serial, since two rows may hit the same token."""
     N, D = dx.shape
@@ -215,10 +238,10 @@ def embedding_backward(dx, idx, dtok_emb):
 
 # --- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ---
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def _rmsnorm_fwd(x, w, y, rstd):
     N, D = x.shape
-    for n in prange(N):
+    for n in range(N):
         ss = 0.0
         for d in range(D):
             ss += x[n, d] * x[n, d]
@@ -234,29 +257,22 @@ def rmsnorm_forward(x, w):
     return y, rstd
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def rmsnorm_backward(dy, x, w, rstd, dx, dw):
     """dx += d/dx (accumulates into the residual gradient); dw = sum_n dy * x * rstd.
-    With g = dy*w: dx = r*g - r^3 * x * mean(g*x). dw is summed per block of rows, then over the blocks
-    (a fixed order, so the result does not depend on the threads)."""
+    With g = dy*w: dx = r*g - r^3 * x * mean(g*x)."""
     N, D = x.shape
-    n_blocks = 16
-    partial = np.zeros((n_blocks, D))
-    for blk in prange(n_blocks):
-        for n in range(blk * N // n_blocks, (blk + 1) * N // n_blocks):
-            r = rstd[n]
-            gx = 0.0
-            for d in range(D):
-                gx += dy[n, d] * w[d] * x[n, d]
-            c = r * r * r * gx / D
-            for d in range(D):
-                dx[n, d] += r * dy[n, d] * w[d] - c * x[n, d]
-                partial[blk, d] += dy[n, d] * x[n, d] * r
-    for d in range(D):
-        s = 0.0
-        for blk in range(n_blocks):
-            s += partial[blk, d]
-        dw[d] = s
+    dw_sum = np.zeros(D)                                           # float64
+    for n in range(N):
+        r = rstd[n]
+        gx = 0.0
+        for d in range(D):
+            gx += dy[n, d] * w[d] * x[n, d]
+        c = r * r * r * gx / D
+        for d in range(D):
+            dx[n, d] += r * dy[n, d] * w[d] - c * x[n, d]
+            dw_sum[d] += dy[n, d] * x[n, d] * r
+    dw[:] = dw_sum
 
 
 # --- RoPE, half-split: u'[i] = u[i] cos - u[i+h] sin, u'[i+h] = u[i+h] cos + u[i] sin ---
@@ -267,12 +283,12 @@ def rope_tables(ctx, hd, dtype):
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
-@njit(parallel=True, cache=True)
+@njit(**KERNEL_OPTIONS)
 def _rope(u, pos, cos, sin, sign):
     """Rotates u (N, H, hd) in place by +angle (forward) or -angle (backward: R^T = R(-a))."""
     N, H, hd = u.shape
     half = hd // 2
-    for n in prange(N):
+    for n in range(N):
         p = pos[n]
         for h in range(H):
             for i in range(half):
@@ -301,14 +317,13 @@ def rope_backward(du, pos, cos, sin):
 # positions, and chunk c (positions t0 .. t1-1) is multiplied with the keys 0 .. t1-1 only. Two chunks skip
 # a quarter of the score and value products; more chunks make the GEMMs too small to pay (measured).
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def _causal_softmax(S, t0, G, scale):
     """S (B, Hkv, R, K) unscaled scores of the query rows of positions t0.. -> softmax(scale * S) in place.
     Row r is position t = t0 + r // G and sees keys 0..t (the rest become 0)."""
     B, H, R, _ = S.shape
-    for bhr in prange(B * H * R):
-        r = bhr % R
-        row = S[bhr // (H * R), (bhr // R) % H, r]
+    for b, h, r in np.ndindex(B, H, R):
+        row = S[b, h, r]
         t = t0 + r // G
         m = row[0]
         for j in range(1, t + 1):
@@ -324,13 +339,12 @@ def _causal_softmax(S, t0, G, scale):
         row[t + 1:] = 0.0
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def _softmax_backward(P, dP, scale, t0, G):
     """dP (probability gradient) -> score gradient in place: dS = P * (dP - sum_j P dP) * scale."""
     B, H, R, _ = P.shape
-    for bhr in prange(B * H * R):
-        r = bhr % R
-        p, d = P[bhr // (H * R), (bhr // R) % H, r], dP[bhr // (H * R), (bhr // R) % H, r]
+    for b, h, r in np.ndindex(B, H, R):
+        p, d = P[b, h, r], dP[b, h, r]
         t = t0 + r // G
         s = 0.0
         for j in range(t + 1):
@@ -391,23 +405,23 @@ def attention_backward(dout, cache, B, T):
 
 # --- SwiGLU: act = silu(g) * u, with gu = [g | u] from one product against w1|w3 ---
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def swiglu_forward(gu):
     N, F2 = gu.shape
     F = F2 // 2
     act = np.empty((N, F), gu.dtype)
-    for n in prange(N):
+    for n in range(N):
         for f in range(F):
             g = gu[n, f]
             act[n, f] = g * sigmoid(g) * gu[n, F + f]
     return act
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def swiglu_backward(dact, gu):
     N, F = dact.shape
     dgu = np.empty((N, 2 * F), gu.dtype)
-    for n in prange(N):
+    for n in range(N):
         for f in range(F):
             g, u = gu[n, f], gu[n, F + f]
             sig = sigmoid(g)
@@ -419,14 +433,14 @@ def swiglu_backward(dact, gu):
 
 # --- cross-entropy with -1 targets ignored, over the n_mtp heads side by side in one logits buffer ---
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(**KERNEL_OPTIONS)
 def _xent(logits, targets, scales, losses, want_grad):
     """logits (N, K*V): head k's logits of row n are logits[n, k*V:(k+1)*V]; targets (K, N), -1 ignored.
     losses[k, n] = -log softmax[target] (0 when ignored). With want_grad, each head's logits become
     scales[k] * (softmax - onehot), or 0 where ignored. One exp per logit: the softmax is built in place."""
     K, N = targets.shape
     V = logits.shape[1] // K
-    for n in prange(N):
+    for n in range(N):
         for k in range(K):
             row = logits[n, k * V:(k + 1) * V]
             t = targets[k, n]
@@ -466,22 +480,24 @@ def mtp_targets(targets, n_mtp):
     return out
 
 
-def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True):
+def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True, counts=None):
     """Cross-entropy of the MTP heads: head k at position t predicts targets[t+k].
     logits (N, n_mtp*V). Returns the objective CE_0 + mtp_weight * mean(CE_1..CE_{n-1}) and the per-head
-    means; with want_grad the logits are replaced, in place, by d(objective)/d(logits)."""
+    means; with want_grad the logits are replaced, in place, by d(objective)/d(logits). For a shard of a
+    batch, counts are the whole batch's: the shards' objectives, means and gradients then add up to it."""
     tk = mtp_targets(targets, n_mtp).reshape(n_mtp, -1)
-    counts, scales = mtp_scales(targets, n_mtp, mtp_weight)
+    counts, scales = mtp_scales(targets, n_mtp, mtp_weight, counts)
     losses = np.empty(tk.shape, np.float64)
     _xent(logits, tk, scales.astype(logits.dtype), losses, want_grad)
     ces = [float(losses[k].sum() / counts[k]) if counts[k] else 0.0 for k in range(n_mtp)]
     return mtp_objective(ces, mtp_weight), ces
 
 
-def mtp_scales(targets, n_mtp, mtp_weight):
+def mtp_scales(targets, n_mtp, mtp_weight, counts=None):
     """Per head k: the number of counted targets, and the scale weight_k / count_k of its softmax gradient
     (weight 1 for head 0, mtp_weight / (n_mtp - 1) for the others; 0 for a head with no target)."""
-    counts = np.array([int((targets[:, k:] >= 0).sum()) for k in range(n_mtp)])
+    if counts is None:
+        counts = np.array([int((targets[:, k:] >= 0).sum()) for k in range(n_mtp)])
     weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
     return counts, np.where(counts > 0, weights / np.maximum(counts, 1), 0.0)
 
@@ -499,9 +515,10 @@ def _dims(cfg):
     return hd, cfg.n_heads * hd, cfg.n_kv_heads * hd              # hd, Cq = Hq*hd, Ck = Hkv*hd
 
 
-def forward(P, idx, targets=None, want_grad=False):
+def forward(P, idx, targets=None, want_grad=False, counts=None):
     """idx (B, T) int32. Without targets: returns head-0 logits of every position (N, V).
-    With targets: returns (objective, per-head CE, acts); with want_grad the logits in acts hold dlogits."""
+    With targets: returns (objective, per-head CE, acts); with want_grad the logits in acts hold dlogits.
+    counts: the whole batch's target counts per head when idx is a shard of it (see mtp_loss)."""
     cfg = P.cfg
     B, T = idx.shape
     N = B * T
@@ -532,7 +549,7 @@ def forward(P, idx, targets=None, want_grad=False):
     if targets is None:
         return hf @ P["heads.0"].T
     logits = hf @ P.rows("heads.0", f"heads.{cfg.n_mtp - 1}").T      # (N, n_mtp*V), one GEMM for all heads
-    objective, ces = mtp_loss(logits, targets, cfg.n_mtp, cfg.mtp_weight, want_grad)
+    objective, ces = mtp_loss(logits, targets, cfg.n_mtp, cfg.mtp_weight, want_grad, counts)
     acts = dict(idx=idx, B=B, T=T, pos=pos, cos=cos, sin=sin, layers=layers, x=x, hf=hf, rstd_f=rstd_f,
                 dlogits=logits)
     return objective, ces, acts
@@ -571,17 +588,56 @@ def backward(P, acts, G):
     embedding_backward(dx, acts["idx"].reshape(-1), G["tok_emb"])
 
 
-def loss_and_grads(P, idx, targets, G=None):
-    """(objective, per-head CE, gradients) for one batch; the gradient buffer may be reused."""
-    objective, ces, acts = forward(P, idx, targets, want_grad=True)
-    G = Params(P.cfg, P.flat.dtype) if G is None else G
-    backward(P, acts, G)
-    return objective, ces, G
+_pool = []
+
+
+def per_part(fn, n):
+    """[fn(i, part) for each part i of range(n)] (slices, in order), one part per thread (N_THREADS):
+    the shards of rows of a batch, or the parts of a flat buffer."""
+    k = min(n, N_THREADS)
+    parts = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
+    if k == 1:
+        return [fn(0, parts[0])]
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(N_THREADS, thread_name_prefix="nanoeuler"))
+    return list(_pool[0].map(fn, range(k), parts))
+
+
+def _batch_losses(cfg, shard_ces):
+    """The batch's objective and per-head CE: the shards' partial means add up (mtp_loss)."""
+    ces = [float(sum(c[k] for c in shard_ces)) for k in range(cfg.n_mtp)]
+    return mtp_objective(ces, cfg.mtp_weight), ces
+
+
+def loss_and_grads(P, idx, targets, grads=None):
+    """(objective, per-head CE, gradient) of one batch. Each shard's gradient goes to its own buffer of
+    grads (one Params per thread, reused between steps when given); they are summed into grads[0] in shard
+    order, so the result does not depend on the timing of the threads."""
+    grads = grads or [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), N_THREADS))]
+    counts, _ = mtp_scales(targets, P.cfg.n_mtp, P.cfg.mtp_weight)
+
+    def shard(i, rows):
+        objective, ces, acts = forward(P, idx[rows], targets[rows], want_grad=True, counts=counts)
+        if math.isfinite(objective):                 # a NaN step is dropped whole (Trainer.step)
+            backward(P, acts, grads[i])
+        return ces
+
+    shard_ces = per_part(shard, len(idx))
+
+    def add_shards(i, part):
+        for G in grads[1:len(shard_ces)]:
+            grads[0].flat[part] += G.flat[part]
+
+    if len(shard_ces) > 1:
+        per_part(add_shards, grads[0].flat.size)
+    return (*_batch_losses(P.cfg, shard_ces), grads[0])
 
 
 def forward_loss(P, idx, targets):
-    objective, ces, _ = forward(P, idx, targets)
-    return objective, ces
+    """(objective, per-head CE) of one batch, no gradient."""
+    counts, _ = mtp_scales(targets, P.cfg.n_mtp, P.cfg.mtp_weight)
+    shard_ces = per_part(lambda i, rows: forward(P, idx[rows], targets[rows], counts=counts)[1], len(idx))
+    return _batch_losses(P.cfg, shard_ces)
 
 
 def model_flops_per_token(cfg, T):
@@ -603,33 +659,33 @@ def decay_mask(cfg, dtype=np.float32):
     return mask.flat
 
 
-@njit(parallel=True, cache=True)
+@njit(**KERNEL_OPTIONS)
 def adamw_step(p, g, m, v, mask, lr, beta1, beta2, eps, wd, step, grad_scale):
-    """One AdamW update over the flat buffers; step counts from 1; grad_scale applies the clipping."""
-    bc1 = 1.0 - beta1 ** step
-    bc2 = 1.0 - beta2 ** step
-    for i in prange(p.shape[0]):
-        gi = g[i] * grad_scale
-        m[i] = beta1 * m[i] + (1.0 - beta1) * gi
-        v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi
-        p[i] -= lr * ((m[i] / bc1) / (np.sqrt(v[i] / bc2) + eps) + wd * mask[i] * p[i])
+    """One AdamW update over flat buffers (or a part of them); step counts from 1; grad_scale applies the
+    clipping. p -= lr * (m / bc1) / (sqrt(v / bc2) + eps) + lr * wd * mask * p, with the constants in the
+    buffers' dtype, so that the loop runs in it (a float64 loop over float32 buffers took twice as long)."""
+    c = np.array((beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr / (1.0 - beta1 ** step),
+                  1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr * wd, grad_scale)).astype(p.dtype)
+    b1, one_b1, b2, one_b2, lr_bc1, inv_sqrt_bc2, eps_, lr_wd, scale = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8]
+    for i in range(p.shape[0]):
+        gi = g[i] * scale
+        m[i] = b1 * m[i] + one_b1 * gi
+        v[i] = b2 * v[i] + one_b2 * gi * gi
+        p[i] -= lr_bc1 * m[i] / (np.sqrt(v[i]) * inv_sqrt_bc2 + eps_) + lr_wd * mask[i] * p[i]
 
 
-@njit(parallel=True, cache=True)
+@njit(**KERNEL_OPTIONS)
 def _sum_squares(a):
-    """sum(a^2) in float64, over a fixed split into blocks (the same result with any number of threads)."""
-    n_blocks = 64
-    partial = np.zeros(n_blocks)
-    for blk in prange(n_blocks):
-        s = 0.0
-        for i in range(blk * a.size // n_blocks, (blk + 1) * a.size // n_blocks):
-            s += a[i] * a[i]
-        partial[blk] = s
-    return partial.sum()
+    """sum(a^2), accumulated in float64."""
+    s = 0.0
+    for i in range(a.size):
+        s += a[i] * a[i]
+    return s
 
 
 def grad_norm(G):
-    return math.sqrt(_sum_squares(G.flat))
+    """The global L2 norm, each thread summing its part of the buffer."""
+    return math.sqrt(sum(per_part(lambda i, part: _sum_squares(G.flat[part]), G.flat.size)))
 
 
 def lr_at(step, total_steps, peak_lr, warmup):
@@ -651,8 +707,9 @@ class AdamW:
         norm = grad_norm(G)
         scale = min(1.0, self.clip / (norm + 1e-6))
         self.step_count += 1
-        adamw_step(P.flat, G.flat, self.m.flat, self.v.flat, self.mask, lr, self.beta1, self.beta2, self.eps,
-                   self.wd, self.step_count, scale)
+        per_part(lambda i, part: adamw_step(P.flat[part], G.flat[part], self.m.flat[part], self.v.flat[part],
+                                            self.mask[part], lr, self.beta1, self.beta2, self.eps, self.wd,
+                                            self.step_count, scale), P.flat.size)
         return norm
 
 
@@ -1086,17 +1143,17 @@ class Trainer:
     sync_every_step = True
 
     def __init__(self, P, state=None):
-        self.P, self.G, self.opt, self.pending = P, Params(P.cfg, P.flat.dtype), AdamW(P, 0.0), []
+        self.P, self.opt, self.pending = P, AdamW(P, 0.0), []
+        self.grads = [Params(P.cfg, P.flat.dtype) for _ in range(N_THREADS)]
         if state is not None:
             self.opt.m.flat[:], self.opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
             self.opt.step_count = state["step"]
 
     def step(self, x, y, lr):
-        objective, ces, acts = forward(self.P, x, y, want_grad=True)
+        objective, ces, G = loss_and_grads(self.P, x, y, self.grads)
         norm = float("nan")
         if math.isfinite(objective):                     # a NaN step changes nothing; the loop stops on it
-            backward(self.P, acts, self.G)
-            norm = self.opt.step(self.P, self.G, lr)
+            norm = self.opt.step(self.P, G, lr)
         self.pending.append((objective, ces, norm))
 
     def results(self):
