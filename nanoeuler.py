@@ -40,8 +40,10 @@ except ImportError as e:  # one clear line instead of a traceback
 # - Kernels: fastmath lets LLVM vectorise the reductions, and error_model="numpy" drops the zero-division
 #   checks that kept it from vectorising any loop with a division (SwiGLU: 6x faster).
 threadpool_limits(1, user_api="blas")
-N_THREADS = int(os.environ.get("NANOEULER_THREADS", 0)) or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                        else os.cpu_count())
+_threads = os.environ.get("NANOEULER_THREADS", "")
+if _threads and not (_threads.isdigit() and int(_threads) > 0):
+    sys.exit(f"error: NANOEULER_THREADS={_threads!r} is not a positive whole number")
+N_THREADS = int(_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 try:
     _libc = ctypes.CDLL("libc.so.6")
     _libc.mallopt(-3, 32 << 20)                    # M_MMAP_THRESHOLD

@@ -166,6 +166,28 @@ def test_float32_gradients_match_float64():
     assert np.abs(g64.flat - g32.flat).max() < 1e-4 * np.abs(g64.flat).max()
 
 
+def test_batch_shards_add_up_to_the_whole_batch(monkeypatch):
+    """One thread per shard of rows: the shards' losses and gradients must add up to those of the whole
+    batch in one piece (with uneven shards and -1 targets, so that the per-head counts differ by shard)."""
+    cfg = ne.CONFIGS["tiny"]
+    P = ne.Params.init(cfg, 2, np.float64)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, cfg.vocab, (5, 16)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab, (5, 16)).astype(np.int32)
+    y[1, 3:] = -1
+    y[4, :10] = -1
+    results = {}
+    for n in (1, 3):
+        monkeypatch.setattr(ne, "N_THREADS", n)
+        obj, ces, G = ne.loss_and_grads(P, x, y)
+        results[n] = obj, ces, G.flat.copy(), ne.forward_loss(P, x, y)
+    (o1, c1, g1, f1), (o3, c3, g3, f3) = results[1], results[3]
+    assert o3 == pytest.approx(o1, rel=1e-12) and c3 == pytest.approx(c1, rel=1e-12)
+    assert f3[0] == pytest.approx(o1, rel=1e-12) and f3[1] == pytest.approx(c1, rel=1e-12)
+    assert f1[0] == pytest.approx(o1, rel=1e-12)
+    assert np.abs(g1 - g3).max() < 1e-12 * np.abs(g1).max()
+
+
 def test_kv_cache_generation_equals_uncached():
     cfg = ne.CONFIGS["tiny"]
     P = ne.Params.init(cfg, 3)
@@ -204,6 +226,7 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
 def test_bad_input_gets_one_line(tmp_path, corpus):
     assert_one_line_error(run_cli("fly"), "invalid choice")
     assert_one_line_error(run_cli("train", "--bogus"), "unrecognized")
+    assert_one_line_error(run_cli("bench", env_extra={"NANOEULER_THREADS": "two"}), "NANOEULER_THREADS")
     assert_one_line_error(run_cli("train", "--data", tmp_path / "missing.txt", "--out", tmp_path / "o"), "not found")
     (tmp_path / "empty.txt").write_text("")
     assert_one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o"), "empty")
