@@ -613,10 +613,11 @@ def _batch_losses(cfg, shard_ces):
 
 
 def loss_and_grads(P, idx, targets, grads=None):
-    """(objective, per-head CE, gradient) of one batch. Each shard's gradient goes to its own buffer of
-    grads (one Params per thread, reused between steps when given); they are summed into grads[0] in shard
-    order, so the result does not depend on the timing of the threads."""
-    grads = grads or [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), N_THREADS))]
+    """(objective, per-head CE, gradient) of one batch. Each shard's gradient goes to its own buffer in the
+    list grads (kept between steps by the caller; grown here as needed); they are summed into grads[0] in
+    shard order, so the result does not depend on the timing of the threads."""
+    grads = [] if grads is None else grads
+    grads += [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), N_THREADS) - len(grads))]
     counts, _ = mtp_scales(targets, P.cfg.n_mtp, P.cfg.mtp_weight)
 
     def shard(i, rows):
@@ -1148,7 +1149,7 @@ class Trainer:
 
     def __init__(self, P, state=None):
         self.P, self.opt, self.pending = P, AdamW(P, 0.0), []
-        self.grads = [Params(P.cfg, P.flat.dtype) for _ in range(N_THREADS)]
+        self.grads = []                                  # one gradient buffer per shard (loss_and_grads)
         if state is not None:
             self.opt.m.flat[:], self.opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
             self.opt.step_count = state["step"]
