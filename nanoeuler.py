@@ -12,6 +12,7 @@ checkpoints | sampling | SFT | chat | training | bench | main.
 """
 import argparse
 import ctypes
+import functools
 import json
 import math
 import os
@@ -43,7 +44,8 @@ threadpool_limits(1, user_api="blas")
 _threads = os.environ.get("NANOEULER_THREADS", "")
 if _threads and not (_threads.isdigit() and int(_threads) > 0):
     sys.exit(f"error: NANOEULER_THREADS={_threads!r} is not a positive whole number")
-N_THREADS = int(_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+N_THREADS = int(_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                             else os.cpu_count() or 1))
 try:
     _libc = ctypes.CDLL("libc.so.6")
     _libc.mallopt(-3, 32 << 20)                    # M_MMAP_THRESHOLD
@@ -279,10 +281,13 @@ def rmsnorm_backward(dy, x, w, rstd, dx, dw):
 
 # --- RoPE, half-split: u'[i] = u[i] cos - u[i+h] sin, u'[i+h] = u[i+h] cos + u[i] sin ---
 
+@functools.cache                                   # read-only tables, made once per shape and dtype
 def rope_tables(ctx, hd, dtype):
     freqs = 10000.0 ** (-np.arange(0, hd // 2) * 2.0 / hd)         # f_i = theta^(-2i/hd)
     angles = np.arange(ctx)[:, None] * freqs[None, :]              # (ctx, hd/2)
-    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos.flags.writeable = sin.flags.writeable = False                # shared by every caller
+    return cos, sin
 
 
 @njit(**KERNEL_OPTIONS)
@@ -591,7 +596,9 @@ def backward(P, acts, G):
     embedding_backward(dx, acts["idx"].reshape(-1), G["tok_emb"])
 
 
-_pool = []
+@functools.cache
+def _thread_pool():
+    return ThreadPoolExecutor(N_THREADS, thread_name_prefix="nanoeuler")
 
 
 def per_part(fn, n):
@@ -601,9 +608,7 @@ def per_part(fn, n):
     parts = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
     if k == 1:
         return [fn(0, parts[0])]
-    if not _pool:
-        _pool.append(ThreadPoolExecutor(N_THREADS, thread_name_prefix="nanoeuler"))
-    return list(_pool[0].map(fn, range(k), parts))
+    return list(_thread_pool().map(fn, range(k), parts))
 
 
 def _batch_losses(cfg, shard_ces):
@@ -671,7 +676,7 @@ def adamw_step(p, g, m, v, mask, lr, beta1, beta2, eps, wd, step, grad_scale):
     buffers' dtype, so that the loop runs in it (a float64 loop over float32 buffers took twice as long)."""
     c = np.array((beta1, 1.0 - beta1, beta2, 1.0 - beta2, lr / (1.0 - beta1 ** step),
                   1.0 / math.sqrt(1.0 - beta2 ** step), eps, lr * wd, grad_scale)).astype(p.dtype)
-    b1, one_b1, b2, one_b2, lr_bc1, inv_sqrt_bc2, eps_, lr_wd, scale = c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8]
+    b1, one_b1, b2, one_b2, lr_bc1, inv_sqrt_bc2, eps_, lr_wd, scale = c
     for i in range(p.shape[0]):
         gi = g[i] * scale
         m[i] = b1 * m[i] + one_b1 * gi
@@ -917,7 +922,7 @@ class KVCache:
     def __init__(self, cfg, dtype=np.float32):
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
         self.k, self.v, self.len = np.zeros(shape, dtype), np.zeros(shape, dtype), 0
-        self.cos, self.sin = rope_tables(cfg.ctx, cfg.head_dim, dtype)    # once, not per generated token
+        self.cos, self.sin = rope_tables(cfg.ctx, cfg.head_dim, dtype)
 
 
 def forward_cached(P, ids, cache):

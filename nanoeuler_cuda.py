@@ -174,28 +174,19 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 // block-wide sum / max (blockDim.x a multiple of 32); every thread gets the result; fixed order
-__device__ float block_sum(float v) {
+template <bool MAX> __device__ float block_reduce(float v) {
     __shared__ float sh[32];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = MAX ? warp_max(v) : warp_sum(v);
     if (lane == 0) sh[w] = v;
     __syncthreads();
-    float r = lane < nw ? sh[lane] : 0.f;
-    r = warp_sum(r);
+    float r = lane < nw ? sh[lane] : (MAX ? NEG_INF : 0.f);
+    r = MAX ? warp_max(r) : warp_sum(r);
     __syncthreads();
     return r;
 }
-__device__ float block_max(float v) {
-    __shared__ float sh[32];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) sh[w] = v;
-    __syncthreads();
-    float r = lane < nw ? sh[lane] : NEG_INF;
-    r = warp_max(r);
-    __syncthreads();
-    return r;
-}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
 """
 
 # --- embedding: x[n] = tok_emb[idx[n]]; backward without atomics: the host sorts the positions by
