@@ -405,9 +405,14 @@ def _read_text(path):
         raise ValueError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                        # one line, not usage + message
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="bpe.py", description="Byte-level BPE tokenizer for NanoEuler.")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = _Parser(prog="bpe.py", description="Byte-level BPE tokenizer for NanoEuler (file format: CONTRACT.md).")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("train", help="learn a tokenizer from a UTF-8 text file")
     p.add_argument("file", help="training text (UTF-8)")
     p.add_argument("--vocab", type=int, required=True, help="vocabulary size, specials included")
@@ -422,9 +427,8 @@ def main(argv=None):
         p.add_argument("--allow-special", action=argparse.BooleanOptionalAction, default=True,
                        help="literal '<|endoftext|>' in the file is the special token (default on)")
         p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
-    args = ap.parse_args(argv)
-
     try:
+        args = ap.parse_args(argv)
         if args.command == "train":
             t0 = time.perf_counter()
             tok = Tokenizer.train(_read_text(args.file), args.vocab, verbose=True)

@@ -9,12 +9,14 @@ Relative error of one entry: |analytic - numeric| / max(|analytic|, |numeric|, 1
 the largest over its checked entries (all of them for small tensors, a random sample for large ones).
 In float64 a right backward lands near 1e-7; a dropped term lands near 1.
 """
+import argparse
 import sys
 import time
 
 import numpy as np
 
 import nanoeuler as ne
+import pipeline as pl
 
 TOL = 1e-2
 H = 1e-4            # central-difference step: truncation error ~H^2, rounding ~1e-16/H
@@ -50,9 +52,9 @@ def pick(size, rng, n=SAMPLES):
 def check_model(cfg=None, B=2, T=16, seed=0):
     """-> [(tensor name, max rel err)] for every parameter tensor, plus 'tok_emb (unused rows)' which must
     get an exactly zero gradient."""
-    cfg = cfg or ne.CONFIGS["tiny"]
+    cfg = cfg or pl.CONFIGS["tiny"]
     rng = np.random.default_rng(seed)
-    P = ne.Params.init(cfg, seed, np.float64)
+    P = pl.Params.init(cfg, seed, np.float64)
     for name, view in P.items():                   # norm weights away from 1, so their gradient paths matter
         if view.ndim == 1:
             view[:] = 1.0 + 0.3 * rng.standard_normal(view.shape)
@@ -83,7 +85,7 @@ def _op_cases(rng):
     N = B * T
     r = lambda *s: rng.standard_normal(s)
     pos = np.tile(np.arange(T, dtype=np.int32), B)
-    cos, sin = ne.rope_tables(T, hd, np.float64)
+    cos, sin = pl.rope_tables(T, hd, np.float64)
 
     def rmsnorm(x, w):
         R = r(N, D)
@@ -157,17 +159,27 @@ def report(title, results):
     return worst
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                        # one line, not usage + message
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
 def main(argv):
-    mode = argv[0] if argv else "model"
-    if mode not in ("model", "ops", "all") or len(argv) > 1:
-        print(f"error: unknown mode {' '.join(argv)!r}; use model, ops or all", file=sys.stderr)
+    p = _Parser(prog="gradcheck.py", description=__doc__.strip().split("\n\n", 1)[1],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", nargs="?", default="model", choices=("model", "ops", "all"),
+                   help="model: the whole model (default); ops: each op alone; all: both (make check)")
+    try:
+        mode = p.parse_args(argv).mode
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
     worst = ("", 0.0)
     if mode in ("ops", "all"):
         worst = max(worst, report("each op alone (float64)", check_ops()), key=lambda r: r[1])
     if mode in ("model", "all"):
-        cfg = ne.CONFIGS["tiny"]
+        cfg = pl.CONFIGS["tiny"]
         worst = max(worst, report(f"whole model (float64), {cfg}", check_model(cfg)), key=lambda r: r[1])
     if worst[1] >= TOL:
         print(f">>> backward FAIL: {worst[0]} max rel err {worst[1]:.2e} (>= {TOL:g})")

@@ -2,36 +2,38 @@
 nanoeuler.py -- a GPT-class language model trained from scratch on the CPU.
 
 The CPU engine and the reference of the project: every forward and backward pass is written by hand
-(numpy for the big matrix products, Numba for everything else), checked in float64 by gradcheck.py, and
-the GPU engine (nanoeuler_cuda.py) is checked against it. The model contract is SPEC.md: a decoder-only
+(numpy for the big matrix products, Numba for everything else), checked in float64 by gradcheck.py; the
+GPU engine (nanoeuler_cuda.py) is checked against it. The model is the one of CONTRACT.md: a decoder-only
 transformer whose residual stream is integrated by forward-Euler steps x = x + f(x), with RMSNorm, RoPE,
-grouped-query attention, SwiGLU and multi-token-prediction (MTP) heads.
+grouped-query attention, SwiGLU and multi-token-prediction (MTP) heads. What both engines share (configs,
+parameter layout, data, checkpoints, the training loop, the flags) is in pipeline.py.
 
-Sections: config | parameters | layers (forward next to backward) | model | optimiser | data |
-checkpoints | sampling | SFT | chat | training | bench | main.
+Sections: CPU set-up | exp and sigmoid | layers (forward next to backward) | model | optimiser |
+sampling | trainer | modes | main.
 """
-import argparse
 import ctypes
 import functools
-import json
 import math
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
 
 import numpy as np
+
+import pipeline as pl
+from pipeline import Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
 
 try:
     from llvmlite import ir
     from numba import njit, types
     from numba.extending import intrinsic, overload
     from threadpoolctl import threadpool_limits
-except ImportError as e:  # one clear line instead of a traceback
-    sys.exit(f"error: {e.name} is not installed (pip install -r requirements.txt)")
+except ImportError as e:  # one clear line (pipeline prints a UserError raised at import that way)
+    raise pl.UserError(f"{e.name} is not installed (pip install -r requirements.txt)") from None
 
-# How the CPU is used (each measured on 2 cores, small model, B=8, T=256):
+# ----------------------------------------------------------------------------------------------------
+# CPU set-up. How the CPU is used (each measured on 2 cores, small model, B=8, T=256):
 # - Threads: a batch is cut into one shard of rows per core, and one thread runs the whole forward and
 #   backward of its shard, with a BLAS held to one thread and serial Numba kernels that release the GIL.
 #   No pool hands work to another between ops (119 ms per step against 169 with BLAS and Numba each
@@ -41,11 +43,6 @@ except ImportError as e:  # one clear line instead of a traceback
 # - Kernels: fastmath lets LLVM vectorise the reductions, and error_model="numpy" drops the zero-division
 #   checks that kept it from vectorising any loop with a division (SwiGLU: 6x faster).
 threadpool_limits(1, user_api="blas")
-_threads = os.environ.get("NANOEULER_THREADS", "")
-if _threads and not (_threads.isdigit() and int(_threads) > 0):
-    sys.exit(f"error: NANOEULER_THREADS={_threads!r} is not a positive whole number")
-N_THREADS = int(_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1))
 try:
     _libc = ctypes.CDLL("libc.so.6")
     _libc.mallopt(-3, 32 << 20)                    # M_MMAP_THRESHOLD
@@ -54,124 +51,14 @@ except OSError:                                    # not glibc: nothing to tune
     pass
 KERNEL_OPTIONS = dict(nogil=True, cache=True, fastmath=True, error_model="numpy")
 
-import bpe
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CACHE = os.environ.get("NANOEULER_CACHE", os.path.join(HERE, "data", "cache"))   # tokenizers and token files
-EOT = "<|endoftext|>"
-
-
-def die(msg):
-    """Bad input ends the program with one line on stderr and a non-zero exit, never a traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-# ----------------------------------------------------------------------------------------------------
-# config
-
-@dataclass
-class Config:
-    dim: int          # D, width of the residual stream
-    n_heads: int      # Hq query heads
-    n_kv_heads: int   # Hkv key/value heads (query head j reads kv head j // (Hq/Hkv))
-    n_layers: int     # L
-    ctx: int          # longest sequence
-    vocab: int        # V
-    ffn: int          # F, SwiGLU hidden width
-    n_mtp: int        # output heads: head k predicts token t+1+k
-    mtp_weight: float = 0.3
-
-    @property
-    def head_dim(self):
-        return self.dim // self.n_heads
-
-    def to_json(self):
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(s):
-        d = json.loads(s)
-        known = {f.name for f in fields(Config)}
-        return Config(**{k: v for k, v in d.items() if k in known})
-
-
-CONFIGS = {
-    "tiny": Config(dim=32, n_heads=4, n_kv_heads=2, n_layers=3, ctx=64, vocab=300, ffn=96, n_mtp=3),
-    "small": Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx=512, vocab=512, ffn=384, n_mtp=3),
-    "big_cpu": Config(dim=256, n_heads=4, n_kv_heads=2, n_layers=8, ctx=512, vocab=4096, ffn=768, n_mtp=3),
-    "big": Config(dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx=512, vocab=4096, ffn=2048, n_mtp=4),
-}
-
-
-# ----------------------------------------------------------------------------------------------------
-# parameters: one flat buffer, named views in SPEC order
-
-def param_shapes(cfg):
-    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn
-    shapes = [("tok_emb", (cfg.vocab, D))]
-    for i in range(cfg.n_layers):
-        shapes += [(f"layers.{i}.attn_norm", (D,)),
-                   (f"layers.{i}.wq", (cfg.n_heads * hd, D)),
-                   (f"layers.{i}.wk", (cfg.n_kv_heads * hd, D)),
-                   (f"layers.{i}.wv", (cfg.n_kv_heads * hd, D)),
-                   (f"layers.{i}.wo", (D, cfg.n_heads * hd)),
-                   (f"layers.{i}.ffn_norm", (D,)),
-                   (f"layers.{i}.w1", (F, D)),
-                   (f"layers.{i}.w3", (F, D)),
-                   (f"layers.{i}.w2", (D, F))]
-    shapes += [("norm", (D,))] + [(f"heads.{k}", (cfg.vocab, D)) for k in range(cfg.n_mtp)]
-    return shapes
-
-
-def num_params(cfg):
-    return sum(int(np.prod(s)) for _, s in param_shapes(cfg))
-
-
-class Params:
-    """One flat buffer holding every tensor; p[name] is a view of it with the SPEC shape.
-    Gradients and Adam moments use the same class, so they share the layout."""
-
-    def __init__(self, cfg, dtype=np.float32, flat=None):
-        self.cfg = cfg
-        self.flat = np.zeros(num_params(cfg), dtype) if flat is None else flat
-        assert self.flat.shape == (num_params(cfg),)
-        self.offsets, self.views, off = {}, {}, 0
-        for name, shape in param_shapes(cfg):
-            n = int(np.prod(shape))
-            self.offsets[name] = (off, off + n)
-            self.views[name] = self.flat[off:off + n].reshape(shape)
-            off += n
-
-    def __getitem__(self, name):
-        return self.views[name]
-
-    @property
-    def names(self):
-        return list(self.views)
-
-    def items(self):
-        return self.views.items()
-
-    def rows(self, first, last):
-        """Consecutive matrices with the same input width as one (rows, in) view: wq|wk|wv, w1|w3, heads."""
-        start, end = self.offsets[first][0], self.offsets[last][1]
-        return self.flat[start:end].reshape(-1, self.views[first].shape[1])
-
-    def astype(self, dtype):
-        return Params(self.cfg, dtype, self.flat.astype(dtype))
-
-    @staticmethod
-    def init(cfg, seed=0, dtype=np.float32):
-        rng = np.random.default_rng(seed)
-        P = Params(cfg, dtype)
-        for name, view in P.items():
-            if view.ndim == 1:
-                view[:] = 1.0                                   # norm weights
-            else:
-                std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith((".wo", ".w2")) else 0.02
-                view[:] = rng.normal(0.0, std, view.shape)
-        return P
+@functools.cache
+def n_threads():
+    """NANOEULER_THREADS, or the usable cores."""
+    value = os.environ.get("NANOEULER_THREADS", "")
+    if value and not (value.isdigit() and int(value) > 0):
+        raise pl.UserError(f"NANOEULER_THREADS={value!r} is not a positive whole number; unset it or give one")
+    return int(value or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,15 +167,6 @@ def rmsnorm_backward(dy, x, w, rstd, dx, dw):
 
 
 # --- RoPE, half-split: u'[i] = u[i] cos - u[i+h] sin, u'[i+h] = u[i+h] cos + u[i] sin ---
-
-@functools.cache                                   # read-only tables, made once per shape and dtype
-def rope_tables(ctx, hd, dtype):
-    freqs = 10000.0 ** (-np.arange(0, hd // 2) * 2.0 / hd)         # f_i = theta^(-2i/hd)
-    angles = np.arange(ctx)[:, None] * freqs[None, :]              # (ctx, hd/2)
-    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
-    cos.flags.writeable = sin.flags.writeable = False                # shared by every caller
-    return cos, sin
-
 
 @njit(**KERNEL_OPTIONS)
 def _rope(u, pos, cos, sin, sign):
@@ -479,15 +357,6 @@ def _xent(logits, targets, scales, losses, want_grad):
             row[t] -= scales[k]
 
 
-def mtp_targets(targets, n_mtp):
-    """targets (B, T) -> (n_mtp, B, T): head k's target at t is targets[t+k] when t+k < T, else -1."""
-    B, T = targets.shape
-    out = np.full((n_mtp, B, T), -1, np.int32)
-    for k in range(n_mtp):
-        out[k, :, :T - k] = targets[:, k:]
-    return out
-
-
 def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True, counts=None):
     """Cross-entropy of the MTP heads: head k at position t predicts targets[t+k].
     logits (N, n_mtp*V). Returns the objective CE_0 + mtp_weight * mean(CE_1..CE_{n-1}) and the per-head
@@ -500,19 +369,6 @@ def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True, counts=None):
     ces = [float(losses[k].sum() / counts[k]) if counts[k] else 0.0 for k in range(n_mtp)]
     return mtp_objective(ces, mtp_weight), ces
 
-
-def mtp_scales(targets, n_mtp, mtp_weight, counts=None):
-    """Per head k: the number of counted targets, and the scale weight_k / count_k of its softmax gradient
-    (weight 1 for head 0, mtp_weight / (n_mtp - 1) for the others; 0 for a head with no target)."""
-    if counts is None:
-        counts = np.array([int((targets[:, k:] >= 0).sum()) for k in range(n_mtp)])
-    weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
-    return counts, np.where(counts > 0, weights / np.maximum(counts, 1), 0.0)
-
-
-def mtp_objective(ces, mtp_weight):
-    """CE_0 + mtp_weight * mean(CE_1 .. CE_{n-1}) from the per-head means."""
-    return ces[0] + (mtp_weight * float(np.mean(ces[1:])) if len(ces) > 1 else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -598,13 +454,13 @@ def backward(P, acts, G):
 
 @functools.cache
 def _thread_pool():
-    return ThreadPoolExecutor(N_THREADS, thread_name_prefix="nanoeuler")
+    return ThreadPoolExecutor(n_threads(), thread_name_prefix="nanoeuler")
 
 
 def per_part(fn, n):
-    """[fn(i, part) for each part i of range(n)] (slices, in order), one part per thread (N_THREADS):
+    """[fn(i, part) for each part i of range(n)] (slices, in order), one part per thread (n_threads()):
     the shards of rows of a batch, or the parts of a flat buffer."""
-    k = min(n, N_THREADS)
+    k = min(n, n_threads())
     parts = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
     if k == 1:
         return [fn(0, parts[0])]
@@ -622,7 +478,7 @@ def loss_and_grads(P, idx, targets, grads=None):
     list grads (kept between steps by the caller; grown here as needed); they are summed into grads[0] in
     shard order, so the result does not depend on the timing of the threads."""
     grads = [] if grads is None else grads
-    grads += [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), N_THREADS) - len(grads))]
+    grads += [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), n_threads()) - len(grads))]
     counts, _ = mtp_scales(targets, P.cfg.n_mtp, P.cfg.mtp_weight)
 
     def shard(i, rows):
@@ -649,25 +505,9 @@ def forward_loss(P, idx, targets):
     return _batch_losses(P.cfg, shard_ces)
 
 
-def model_flops_per_token(cfg, T):
-    """Training FLOPs per token: 6 per matrix weight (forward + backward) plus attention's score and value
-    products (6 * 2 * T * D per layer: the full T x T products, as usual, though the causal chunks skip
-    part of them)."""
-    matrix = num_params(cfg) - cfg.vocab * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim   # no embedding/norms
-    return 6 * matrix + 12 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
-
-
 # ----------------------------------------------------------------------------------------------------
-# optimiser: AdamW with decoupled weight decay on matrices and embeddings, global grad-norm clipping,
-# linear warm-up then cosine decay to 10% of the peak rate
-
-def decay_mask(cfg, dtype=np.float32):
-    """1 where weight decay applies (every matrix and the embedding), 0 on norm weights."""
-    mask = Params(cfg, dtype)
-    for name, view in mask.items():
-        view[:] = 0.0 if view.ndim == 1 else 1.0
-    return mask.flat
-
+# optimiser: AdamW with decoupled weight decay on matrices and embeddings, global grad-norm clipping
+# (the learning-rate schedule is pipeline.lr_at)
 
 @njit(**KERNEL_OPTIONS)
 def adamw_step(p, g, m, v, mask, lr, beta1, beta2, eps, wd, step, grad_scale):
@@ -698,17 +538,10 @@ def grad_norm(G):
     return math.sqrt(sum(per_part(lambda i, part: _sum_squares(G.flat[part]), G.flat.size)))
 
 
-def lr_at(step, total_steps, peak_lr, warmup):
-    if step < warmup:
-        return peak_lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
 class AdamW:
     def __init__(self, P, lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0):
         self.m, self.v = Params(P.cfg, P.flat.dtype), Params(P.cfg, P.flat.dtype)
-        self.mask = decay_mask(P.cfg, P.flat.dtype)
+        self.mask = pl.decay_mask(P.cfg, P.flat.dtype)
         self.lr, self.beta1, self.beta2, self.eps, self.wd, self.clip = lr, beta1, beta2, eps, weight_decay, clip
         self.step_count = 0
 
@@ -724,199 +557,7 @@ class AdamW:
 
 
 # ----------------------------------------------------------------------------------------------------
-# data: uint16 token files read through a memmap, a train/validation split, the embedded default corpus
-
-def read_text(path):
-    """A corpus file as str; missing, empty or non-text files end the program with one line."""
-    if not os.path.isfile(path):
-        die(f"data file not found: {path}")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw.strip():
-        die(f"data file is empty: {path}")
-    if b"\x00" in raw[:1 << 20]:
-        die(f"data file is not text (NUL bytes): {path}")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        die(f"data file is not UTF-8 text ({e.reason} at byte {e.start}): {path}")
-
-
-def load_tokens(path, vocab=None):
-    """A raw little-endian uint16 token file (nanoGPT's train.bin) as a read-only memmap."""
-    if not os.path.isfile(path):
-        die(f"token file not found: {path}")
-    size = os.path.getsize(path)
-    if size == 0:
-        die(f"token file is empty: {path}")
-    if size % 2:
-        die(f"token file has an odd number of bytes, not uint16 tokens: {path}")
-    tokens = np.memmap(path, dtype="<u2", mode="r")
-    if vocab is not None:
-        top = int(tokens.max())
-        if top >= vocab:
-            die(f"token file {path} holds id {top}, outside the vocabulary of {vocab}")
-    return tokens
-
-
-def default_corpus():
-    """English prose that ships with the interpreter: the pydoc topics (statements, types, operators)."""
-    from pydoc_data.topics import topics
-    text = f"\n{EOT}\n".join(topics[k].strip() for k in sorted(topics))
-    return text, f"embedded default corpus: Python's pydoc_data topics ({len(text) / 1e6:.2f} MB, no download)"
-
-
-def load_tokenizer(path):
-    try:
-        return bpe.Tokenizer.load(path)
-    except (OSError, ValueError) as e:
-        die(f"bad tokenizer file: {e}")
-
-
-def prepare_data(data_path, vocab, cache_dir):
-    """Corpus -> (uint16 tokens, tokenizer of at most vocab ids). A .bin file is taken as tokens and needs
-    its tokenizer beside it (NAME.bpe or tokenizer.bpe); a text file (or the embedded default, for None) is
-    tokenised once and cached under cache_dir."""
-    if data_path and data_path.endswith(".bin"):
-        tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
-                         if os.path.isfile(p)), None)
-        if tok_path is None:
-            die(f"no tokenizer for {data_path}: put it beside it as {os.path.basename(data_path)[:-4]}.bpe or tokenizer.bpe")
-        tok = load_tokenizer(tok_path)
-        print(f"data: {data_path} (tokenizer {tok_path})")
-        return load_tokens(data_path, tok.vocab_size), tok
-    if data_path:
-        text, what = read_text(data_path), f"data: {data_path}"
-        key = f"{os.path.basename(data_path)}.{os.path.getsize(data_path)}.{int(os.path.getmtime(data_path))}"
-    else:
-        text, what = default_corpus()
-        key = f"default.{len(text)}"
-    print(what)
-    os.makedirs(cache_dir, exist_ok=True)
-    base = os.path.join(cache_dir, f"{key}.v{vocab}")
-    if os.path.exists(base + ".bin") and os.path.exists(base + ".bpe"):
-        tok = load_tokenizer(base + ".bpe")
-        return load_tokens(base + ".bin", vocab), tok
-    t0 = time.time()
-    # the tokenizer learns its merges from the first 20 MB: enough for a 4096 vocabulary, and quick
-    tok = bpe.Tokenizer.train(text[:20_000_000], vocab, verbose=len(text) > 5e6)
-    if data_path:                                    # every core, streamed from the file
-        n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, data_path, base + ".bin", verbose=len(text) > 5e6)
-    else:
-        ids = np.array(tok.encode(text, allowed_special="all"), dtype="<u2")
-        with open(base + ".bin.tmp", "wb") as f:
-            f.write(ids.tobytes())
-        os.replace(base + ".bin.tmp", base + ".bin")
-        n_tokens, n_bytes = len(ids), len(text.encode())
-    tok.save(base + ".bpe.tmp")
-    os.replace(base + ".bpe.tmp", base + ".bpe")
-    print(f"tokenizer: vocab {tok.vocab_size}, {n_tokens:,} tokens, {n_bytes / n_tokens:.2f} bytes/token "
-          f"({time.time() - t0:.1f} s)")
-    return load_tokens(base + ".bin", vocab), tok
-
-
-class Batches:
-    """Random windows of T+1 tokens from one split (the first 1-val_frac of the file trains, the rest
-    validates). The generator state is the data position, saved in checkpoints for exact resumption."""
-
-    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1):
-        n_val = max(T + 2, int(len(tokens) * val_frac))
-        self.tokens = tokens[:len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val:]
-        if len(self.tokens) < T + 2:
-            die(f"{split} split has {len(self.tokens)} tokens, too few for windows of {T}; use more data or a smaller --seq")
-        self.B, self.T = B, T
-        self.rng = np.random.default_rng(seed)
-
-    def next(self):
-        starts = self.rng.integers(0, len(self.tokens) - self.T - 1, self.B)
-        w = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts]).astype(np.int32)
-        return w[:, :-1], w[:, 1:]
-
-    def state(self):
-        return self.rng.bit_generator.state
-
-    def set_state(self, state):
-        self.rng.bit_generator.state = state
-
-
-# ----------------------------------------------------------------------------------------------------
-# checkpoints: one .npz (SPEC.md), written to a temporary file and renamed, so a crash never leaves half
-
-def save_checkpoint(path, P, tok, state=None, extra=None):
-    """state (for resuming): {"step", "adam_m", "adam_v" (Params), "data" (loader state), "train" (args)}."""
-    cfg_json = json.loads(P.cfg.to_json())
-    cfg_json.update(extra or {})
-    arrays = {name: np.asarray(view, np.float32) for name, view in P.items()}
-    arrays["config"] = np.array(json.dumps(cfg_json))
-    arrays["tokenizer"] = np.array(tok.to_string())
-    if state is not None:
-        arrays["step"] = np.array(state["step"], np.int64)
-        for name in P.names:
-            arrays[f"adam_m.{name}"] = np.asarray(state["adam_m"][name], np.float32)
-            arrays[f"adam_v.{name}"] = np.asarray(state["adam_v"][name], np.float32)
-        arrays["train_state"] = np.array(json.dumps({k: state[k] for k in state if k not in ("adam_m", "adam_v")}))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, want_state=False):
-    """-> (Params float32, tokenizer, state or None, config extras). Bad files end with one line."""
-    if not os.path.isfile(path):
-        die(f"checkpoint not found: {path}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            files = set(z.files)
-            meta = json.loads(str(z["config"]))
-            cfg = Config.from_json(str(z["config"]))
-            P = Params(cfg)
-            for name, view in P.items():
-                if name not in files:
-                    die(f"checkpoint {path} lacks tensor {name}")
-                arr = z[name]
-                if arr.shape != view.shape:
-                    die(f"checkpoint {path}: {name} has shape {arr.shape}, config says {view.shape}")
-                view[:] = arr
-            tok = bpe.Tokenizer.from_string(str(z["tokenizer"]))
-            state = None
-            if want_state and "train_state" in files:
-                state = json.loads(str(z["train_state"]))
-                state["step"] = int(z["step"])
-                state["adam_m"], state["adam_v"] = Params(cfg), Params(cfg)
-                for name in P.names:
-                    state["adam_m"][name][:] = z[f"adam_m.{name}"]
-                    state["adam_v"][name][:] = z[f"adam_v.{name}"]
-    except SystemExit:
-        raise
-    except Exception as e:  # zip, JSON or tokenizer damage: say what, in one line
-        die(f"checkpoint {path} is corrupt or not a NanoEuler checkpoint ({type(e).__name__}: {e})")
-    if tok.vocab_size > cfg.vocab:
-        die(f"checkpoint {path}: tokenizer has {tok.vocab_size} tokens, more than the config's {cfg.vocab}")
-    if not np.isfinite(P.flat).all():
-        die(f"checkpoint {path} holds NaN or infinite weights")
-    extras = {k: v for k, v in meta.items() if k not in asdict(cfg)}
-    return P, tok, state, extras
-
-
-# ----------------------------------------------------------------------------------------------------
 # sampling: head 0 only, with a KV cache of rotated keys and values per layer
-
-def sample_token(logits, temperature, top_k, rng):
-    """One id from a (V,) row of logits: greedy at temperature 0, else softmax(logits / T) over the top k."""
-    logits = np.asarray(logits, np.float64)
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits / temperature
-    if top_k and top_k < len(z):
-        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-    p = np.exp(z - z.max())
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(z) - 1))
-
 
 class KVCache:
     def __init__(self, cfg, dtype=np.float32):
@@ -960,13 +601,6 @@ def forward_cached(P, ids, cache):
     return hf @ P["heads.0"].T
 
 
-def check_prompt(n_tokens, ctx):
-    if n_tokens == 0:
-        die("the prompt is empty")
-    if n_tokens >= ctx:
-        die(f"the prompt is {n_tokens} tokens, longer than the context of {ctx} minus one")
-
-
 def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached=True):
     """Yields up to max_new sampled ids (stops at the context). cached=False reruns the whole sequence
     through the training forward at every step: slow, kept to check the cache."""
@@ -977,7 +611,7 @@ def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached
     for _ in range(max_new):
         if not cached:
             logits = forward(P, np.array([ids], np.int32))[-1]
-        t = sample_token(logits, temperature, top_k, rng)
+        t = pl.sample_token(logits, temperature, top_k, rng)
         yield t
         ids.append(t)
         if len(ids) >= P.cfg.ctx:
@@ -987,165 +621,7 @@ def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached
 
 
 # ----------------------------------------------------------------------------------------------------
-# supervised fine-tuning: the Alpaca template of SPEC.md, loss on the response and the closing token only
-
-def format_prompt(instruction, input=""):
-    """The template up to and including '### Response:\\n'."""
-    if input:
-        return ("Below is an instruction that describes a task, paired with an input that provides further "
-                "context.\nWrite a response that appropriately completes the request.\n\n"
-                f"### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-    return ("Below is an instruction that describes a task.\nWrite a response that appropriately completes "
-            f"the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
-
-
-def sft_example(tok, ex, T):
-    """-> (ids, targets) of at most T positions; targets[t] = ids[t+1] where that token belongs to the
-    response or its <|endoftext|>, else -1. None when not even one response token fits."""
-    prompt = tok.encode(format_prompt(ex["instruction"], ex.get("input", "")))
-    seq = prompt + tok.encode(ex["output"]) + [tok.eot]
-    seq = seq[:T + 1]
-    if len(seq) <= len(prompt):
-        return None
-    ids = np.array(seq[:-1], np.int32)
-    targets = np.array(seq[1:], np.int32)
-    targets[:len(prompt) - 1] = -1                                  # positions whose next token is prompt
-    return ids, targets
-
-
-def builtin_sft_examples():
-    """A small instruction set that needs no download, made from the embedded corpus: each pydoc topic
-    gives questions whose answers are its opening sentences."""
-    from pydoc_data.topics import topics
-    examples = []
-    for key in sorted(topics):
-        lines = [l.strip() for l in topics[key].strip().splitlines()]
-        title = lines[0]
-        body = " ".join(l for l in lines[1:] if l and not set(l) <= set("*=-^"))
-        sentences = [s.strip() + "." for s in body.split(". ") if len(s.split()) > 3][:2]
-        if not sentences:
-            continue
-        answer = " ".join(sentences)[:400]
-        examples.append({"instruction": f"Explain {title[0].lower() + title[1:]}.", "input": "", "output": answer})
-        examples.append({"instruction": "What is this topic about?", "input": title, "output": answer})
-        examples.append({"instruction": "Give the title of this text.", "input": answer, "output": title})
-    return examples
-
-
-def load_sft_data(path):
-    """Alpaca-style JSON list of {instruction, input, output}; None gives the built-in set."""
-    if path is None:
-        return builtin_sft_examples()
-    if not os.path.isfile(path):
-        die(f"SFT data not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        die(f"SFT data {path} is not valid JSON ({e})")
-    if not isinstance(data, list) or not data or not all(
-            isinstance(d, dict) and isinstance(d.get("instruction"), str) and isinstance(d.get("output"), str)
-            for d in data):
-        die(f"SFT data {path} must be a non-empty JSON list of objects with instruction, input, output")
-    return data
-
-
-class SFTBatches:
-    """Batches of B examples padded with <|endoftext|> to the longest, or with fixed=True to exactly (B, T)
-    (an engine with preallocated buffers); padding targets are -1. Same interface as Batches."""
-
-    def __init__(self, tok, examples, B, T, seed=0, fixed=False):
-        encoded = [sft_example(tok, ex, T) for ex in examples]
-        self.examples = [e for e in encoded if e is not None]
-        if not self.examples:
-            die("no SFT example fits the context")
-        self.B, self.T, self.fixed, self.eot = B, T, fixed, tok.eot
-        self.rng = np.random.default_rng(seed)
-
-    def batch(self, chosen):
-        B, T = (self.B, self.T) if self.fixed else (len(chosen), max(len(self.examples[i][0]) for i in chosen))
-        x = np.full((B, T), self.eot, np.int32)
-        y = np.full((B, T), -1, np.int32)
-        for r, i in enumerate(chosen):
-            ids, targets = self.examples[i]
-            x[r, :len(ids)], y[r, :len(ids)] = ids, targets
-        return x, y
-
-    def next(self):
-        return self.batch(self.rng.integers(0, len(self.examples), self.B))
-
-    def state(self):
-        return self.rng.bit_generator.state
-
-    def set_state(self, state):
-        self.rng.bit_generator.state = state
-
-
-# ----------------------------------------------------------------------------------------------------
-# chat: a REPL that streams the model's answer; a chat checkpoint wraps the prompt in the template
-
-def chat_repl(tok, generate_fn, template, max_new, ctx):
-    """generate_fn(prompt_ids, max_new) yields ids. EOF ends the session; Ctrl-C stops only the answer."""
-    import codecs
-    kind = "instruction model: your line is wrapped in the SFT template" if template else \
-        "base model: it continues your text"
-    print(f"chat ({kind}); Ctrl-D ends, Ctrl-C stops an answer", flush=True)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print()
-            return
-        except KeyboardInterrupt:
-            print()
-            continue
-        if not line.strip():
-            continue
-        ids = tok.encode(format_prompt(line) if template else line)
-        if len(ids) >= ctx:
-            print(f"error: the prompt is {len(ids)} tokens, longer than the context of {ctx} minus one", flush=True)
-            continue
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        try:
-            for t in generate_fn(ids, max_new):
-                if t == tok.eot:
-                    break
-                print(decoder.decode(tok.decode_bytes([t])), end="", flush=True)
-        except KeyboardInterrupt:
-            print(" [stopped]", end="")
-        print(decoder.decode(b"", final=True), flush=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# training: one loop for pretraining and SFT; progress lines, a JSONL log, atomic checkpoints
-
-class StopFlag:
-    """Ctrl-C sets a flag that the loop reads between steps, so a checkpoint never holds half a step."""
-
-    def __init__(self):
-        import signal
-        self.stop = False
-        self.previous = signal.signal(signal.SIGINT, self.handler)
-
-    def handler(self, signum, frame):
-        if self.stop:                                    # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        self.stop = True
-        print("\n[Ctrl-C: finishing this step, then saving a checkpoint]", flush=True)
-
-
-def evaluate(batch_loss, tokens, B, T, n_batches, bytes_per_token):
-    """Head-0 validation loss over fixed batches of the validation split, and bits per byte.
-    batch_loss(x, y) -> head-0 CE of one batch, on whichever engine."""
-    val = Batches(tokens, B, T, seed=1234, split="val")
-    loss = float(np.mean([batch_loss(*val.next()) for _ in range(n_batches)]))
-    return loss, loss / math.log(2) / bytes_per_token
-
-
-def bytes_per_token(tok, tokens):
-    sample = np.asarray(tokens[-200_000:])
-    return len(tok.decode_bytes(sample.tolist())) / len(sample)
-
+# trainer: the CPU engine's side of pipeline.train_loop
 
 class Trainer:
     """The CPU engine's side of train_loop: step() runs one AdamW step, results() hands back the losses.
@@ -1176,220 +652,70 @@ class Trainer:
         return self.P, self.opt.m, self.opt.v
 
 
-def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0):
-    """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
-    a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
-    args: steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
-    val_fn() -> (val loss, bits per byte). Returns the last validation loss."""
-    ckpt_path = os.path.join(out_dir, "ckpt.npz")
-    log = open(os.path.join(out_dir, "train_log.jsonl"), "a")
-    flag = StopFlag()
-    steps, val_loss, t_start = args["steps"], None, time.time()
-
-    def checkpoint(step):
-        P, m, v = trainer.host_state()
-        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
-                                            "train": args}, extra)
-
-    step, pending, t_last = start, [], time.time()
-    t_print, tokens_since_print = t_last, 0                        # the progress line's rate: since the last one
-    while step < steps:
-        lr = lr_at(step, steps, args["lr"], args["warmup"])
-        x, y = batches.next()
-        trainer.step(x, y, lr)
-        step += 1
-        pending.append((step, lr, x.size))
-        stopping = flag.stop or (args.get("stop_after") and step - start >= args["stop_after"])
-        evaluating = val_fn is not None and (step % args["eval_every"] == 0 or step == steps)
-        saving = step % args["ckpt_every"] == 0 or step == steps or stopping
-        printing = step % args["log_every"] == 0 or step == steps or evaluating
-        if not (trainer.sync_every_step or printing or saving or stopping):
-            continue
-        # read back the steps since the last sync: the device may have run ahead of the host until here
-        results, now = trainer.results(), time.time()
-        dt = (now - t_last) / len(pending)
-        tokens_since_print += sum(n for _, _, n in pending)
-        for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
-            if not math.isfinite(objective):
-                die(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept ({ckpt_path})")
-            rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
-                   "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt)}
-            if s == step and evaluating:
-                val_loss, bpb = val_fn()
-                rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}))
-            log.write(json.dumps(rec) + "\n")
-        log.flush()
-        if printing:
-            eta = (steps - step) * (time.time() - t_start) / (step - start)
-            rate = tokens_since_print / (now - t_print)
-            t_print, tokens_since_print = time.time(), 0
-            msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
-                   f"ETA {eta / 60:.1f} min")
-            if evaluating:
-                msg += f" | val loss {rec['val_loss']:.4f}" + (f" | val bpb {rec['val_bpb']:.3f}" if "val_bpb" in rec else "")
-            print(msg, flush=True)
-        if args.get("sample_every") and step % args["sample_every"] == 0 and step < steps:
-            show_sample(trainer.host_state()[0], tok, "\n", 64, seed=step)
-        if saving:
-            checkpoint(step)
-        pending, t_last = [], time.time()
-        if stopping:
-            break
-    log.close()
-    print(f"checkpoint: {ckpt_path} (step {step}/{steps}, {(time.time() - t_start) / 60:.1f} min)")
-    if flag.stop:
-        sys.exit(130)
-    return val_loss
-
-
-def show_sample(P, tok, prompt, n, seed=0, temperature=0.8, top_k=40):
-    ids = tok.encode(prompt)
-    out = list(generate(P, ids, n, temperature, top_k, np.random.default_rng(seed)))
-    print("--- sample ---\n" + tok.decode(ids + out) + "\n--------------", flush=True)
-
-
-# The small model's defaults: on the embedded corpus (~215K tokens) validation loss is lowest near 1000
-# steps (~5 epochs) and climbs after; longer runs pay on larger corpora (--steps).
-TRAIN_DEFAULTS = dict(steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100, sample_every=500,
-                      ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None)
-
-
-def start_run(a, defaults, resume):
-    """The start of a training run, shared by both engines. Fresh: the config defaults['config'], SPEC init.
-    Resumed: the checkpoint in a.out with its optimiser state and its own arguments (flags given now
-    override them; --stop-after applies to this run only). -> (P, tok, tokens, args, state, extra)."""
-    os.makedirs(a.out, exist_ok=True)
-    ckpt_path = os.path.join(a.out, "ckpt.npz")
-    given = {k: v for k, v in vars(a).items() if k in defaults and v is not None}
-    if resume:
-        given.pop("config", None)                        # the checkpoint knows its config
-        P, tok, state, extra = load_checkpoint(ckpt_path, want_state=True)
-        if state is None:
-            die(f"{ckpt_path} holds no training state to resume")
-        args = {**defaults, **state["train"], **given, "stop_after": given.get("stop_after", 0)}
-        print(f"resuming {ckpt_path} at step {state['step']}/{args['steps']}")
-    else:
-        if os.path.exists(ckpt_path) and not a.force:
-            die(f"{ckpt_path} exists: resume it, start over with --force, or pick another --out")
-        args, state, extra = {**defaults, **given}, None, {"kind": "base"}
-    cfg = P.cfg if resume else CONFIGS[args["config"]]
-    tokens, tok_data = prepare_data(args["data"], cfg.vocab, CACHE)
-    if resume and tok_data.to_string() != tok.to_string():
-        die("the data's tokenizer differs from the checkpoint's; resume with the same --data")
-    if not resume:
-        tok, P = tok_data, Params.init(cfg, args["seed"])
-    if min(args["batch"], args["seq"], args["steps"]) < 1:
-        die("--batch, --seq and --steps must be positive")
-    if args["seq"] > cfg.ctx:
-        die(f"--seq {args['seq']} is longer than the context of {cfg.ctx}")
-    print(f"model: {args['config']} {cfg}, {num_params(cfg):,} parameters")
-    return P, tok, tokens, args, state, extra
-
-
-def cmd_train(a):
-    defaults = dict(TRAIN_DEFAULTS, config=a.config, **({"lr": 1e-3} if a.config != "small" else {}))
-    P, tok, tokens, args, state, extra = start_run(a, defaults, a.resume)
-    batches = Batches(tokens, args["batch"], args["seq"], seed=args["seed"])
-    if state is not None:
-        batches.set_state(state["data"])
-    bpt = bytes_per_token(tok, tokens)
-    val_fn = lambda: evaluate(lambda x, y: forward_loss(P, x, y)[1][0], tokens, args["batch"], args["seq"], 8, bpt)
-    if state is None:
-        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()))
-    train_loop(Trainer(P, state), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0)
-    loss, bpb = val_fn()
-    print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
-    show_sample(P, tok, "\n", 200, seed=args["seed"])
-
-
-def stream(tok, ids_iter, prefix=""):
-    """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete; -> count."""
-    import codecs
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    sys.stdout.write(prefix)
-    n = 0
-    for t in ids_iter:
-        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
-        sys.stdout.flush()
-        n += 1
-    print(decoder.decode(b"", final=True))
-    return n
-
-
-def cmd_sample(a):
-    P, tok, _, _ = load_checkpoint(a.ckpt)
-    ids = tok.encode(a.prompt)
-    check_prompt(len(ids), P.cfg.ctx)
-    stream(tok, generate(P, ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed)), a.prompt)
-
-
-def add_sft_flags(p, ckpt, out, batch, seq, lr):
-    p.add_argument("--ckpt", default=ckpt, help="the base checkpoint")
-    p.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set, no download)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--seq", type=int, default=seq)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=out)
-    p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
-
-
-def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
-    """Fine-tunes the base model P on instructions, for either engine: make_trainer() -> a train_loop
-    trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after)."""
-    examples = load_sft_data(a.data)
-    print(f"SFT data: {a.data or 'built-in instruction set (no download)'}, {len(examples)} examples")
-    order = np.random.default_rng(a.seed).permutation(len(examples))
-    n_val = max(1, len(examples) // 20)
-    T = min(a.seq, P.cfg.ctx)
-    batches = SFTBatches(tok, [examples[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape)
-    val = SFTBatches(tok, [examples[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape)
-    ckpt_path = os.path.join(a.out, "ckpt.npz")
-    if os.path.exists(ckpt_path) and not a.force:
-        die(f"{ckpt_path} exists: use another --out or --force")
-    os.makedirs(a.out, exist_ok=True)
-
-    def val_fn():
-        n = len(val.examples)
-        return float(np.mean([batch_loss(*val.batch(range(i, min(n, i + a.batch)))) for i in range(0, n, a.batch)])), None
-
-    before = val_fn()[0]
-    print(f"SFT validation loss before: {before:.4f}")
-    args = dict(TRAIN_DEFAULTS, steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1), batch=a.batch, seq=T,
-                eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9, log_every=10, data=a.data)
-    train_loop(make_trainer(), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
-    after = val_fn()[0]
-    print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
-
-
-def cmd_sft(a):
-    P, tok, _, _ = load_checkpoint(a.ckpt)
-    run_sft(a, P, tok, lambda: Trainer(P), lambda x, y: forward_loss(P, x, y)[1][0])
-
-
-def cmd_chat(a):
-    P, tok, _, extra = load_checkpoint(a.ckpt)
-    rng = np.random.default_rng(a.seed)
-    gen = lambda ids, n: generate(P, ids, n, a.temperature, a.top_k, rng)
-    chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+def cpu_generate(P, a):
+    """generate_fn(ids, n, rng) for the pipeline's sample and chat loops, with a's sampling flags."""
+    return lambda ids, n, rng: generate(P, ids, n, a.temperature, a.top_k, rng)
 
 
 # ----------------------------------------------------------------------------------------------------
-# bench: training step and sampling speed of `small` at B=8, T=256
+# modes
+
+def cmd_train(a):
+    a.config = pl.config_arg(a)
+    name = a.config or "small"
+    defaults = dict(pl.TRAIN_DEFAULTS, config=name, **({"lr": 1e-3} if name != "small" else {}))
+    P, tok, tokens, args, state, extra = pl.start_run(a, defaults, a.resume)
+    batches = pl.Batches(tokens, args["batch"], args["seq"], seed=args["seed"])
+    if state is not None:
+        batches.set_state(state["data"])
+    bpt = pl.bytes_per_token(tok, tokens)
+    val_fn = lambda: pl.evaluate(lambda x, y: forward_loss(P, x, y)[1][0], tokens, args["batch"], args["seq"], 8, bpt)
+    gen = lambda ids, n, rng: generate(P, ids, n, 0.8, 40, rng)
+    if state is None:
+        print("step 0: validating (the first run compiles the Numba kernels, ~10 s; cached after)", flush=True)
+        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
+    pl.train_loop(Trainer(P, state), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
+                  sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
+    loss, bpb = val_fn()
+    print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
+    pl.print_sample(tok, gen, "\n", 200, seed=args["seed"])
+
+
+def cmd_sample(a):
+    pl.check_sampling(a)
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+    pl.sample_to_stdout(tok, cpu_generate(P, a), a.prompt, a, P.cfg.ctx)
+
+
+def cmd_sft(a):
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+    pl.run_sft(a, P, tok, lambda: Trainer(P), lambda x, y: forward_loss(P, x, y)[1][0])
+
+
+def cmd_chat(a):
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    pl.check_sampling(a)
+    rng = np.random.default_rng(a.seed)
+    gen = cpu_generate(P, a)
+    pl.chat_repl(tok, lambda ids, n: gen(ids, n, rng), extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+
 
 def cmd_bench(a):
     """Training steps on real batches of the embedded corpus (a repeated batch would be memorised, and
-    its vanishing probabilities underflow into slow denormal floats)."""
-    cfg = CONFIGS[a.config]
+    its vanishing probabilities underflow into slow denormal floats); then sampling with the KV cache."""
+    name = pl.config_arg(a) or "small"
+    cfg = pl.get_config(name)
+    pl.check_positive(a, "batch", "seq", "steps")
     B, T = a.batch, a.seq
-    tokens, _ = prepare_data(None, cfg.vocab, CACHE)
-    batches = Batches(tokens, B, T)
+    if T > cfg.ctx:
+        raise pl.UserError(f"--seq {T} is longer than the context of {cfg.ctx} of config {name}")
+    tokens, _ = pl.prepare_data(None, cfg, name)
+    batches = pl.Batches(tokens, B, T)
     P = Params.init(cfg)
     trainer = Trainer(P)
     t0 = time.time()
     trainer.step(*batches.next(), 1e-3)
-    print(f"config {a.config}: {num_params(cfg):,} parameters, B={B}, T={T}; first step (JIT load) {time.time() - t0:.2f} s")
+    print(f"config {name}: {pl.num_params(cfg):,} parameters, B={B}, T={T}; first step (JIT load) {time.time() - t0:.2f} s")
     for _ in range(2):
         trainer.step(*batches.next(), 1e-3)
     times = []
@@ -1399,14 +725,13 @@ def cmd_bench(a):
         trainer.step(x, y, 1e-3)
         times.append(time.perf_counter() - t0)
     ms = float(np.median(times)) * 1e3
-    flops = model_flops_per_token(cfg, T) * B * T
+    flops = pl.model_flops_per_token(cfg, T) * B * T
     print(f"train: {ms:.1f} ms/step (median of {a.steps}, min {min(times) * 1e3:.1f}) | "
           f"{B * T / ms * 1e3:,.0f} tokens/s | {flops / ms / 1e6:.1f} GFLOP/s")
     rng = np.random.default_rng(0)
-    n = 128
     prompt = list(rng.integers(0, cfg.vocab, 16))
     t0 = time.perf_counter()
-    out = list(generate(P, prompt, n, 0.8, 40, np.random.default_rng(0)))
+    out = list(generate(P, prompt, 128, 0.8, 40, np.random.default_rng(0)))
     dt = time.perf_counter() - t0
     print(f"sample: {len(out) / dt:,.0f} tokens/s with the KV cache ({len(out)} tokens after a 16-token prompt)")
 
@@ -1414,66 +739,51 @@ def cmd_bench(a):
 # ----------------------------------------------------------------------------------------------------
 # main
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):                            # one line, not usage + traceback
-        die(f"{message} (see {self.prog} --help)")
-
-
-def add_train_flags(p, out):
-    """The flags of a training run (both engines); those not given come from the defaults or, when
-    resuming, from the checkpoint's run."""
-    p.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it")
-    for flag, typ in (("--steps", int), ("--batch", int), ("--seq", int), ("--lr", float), ("--warmup", int),
-                      ("--seed", int), ("--eval-every", int), ("--sample-every", int), ("--ckpt-every", int),
-                      ("--log-every", int)):
-        p.add_argument(flag, dest=flag[2:].replace("-", "_"), type=typ)
-    p.add_argument("--stop-after", dest="stop_after", type=int, help="stop (and checkpoint) after N steps of this run")
-    p.add_argument("--out", default=out, help=f"folder for ckpt.npz and train_log.jsonl (default {out})")
-    p.add_argument("--force", action="store_true", help="start over even if --out holds a checkpoint")
-
-
-def add_sample_flags(p, ckpt, temperature):
-    p.add_argument("--ckpt", default=ckpt)
-    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate")
-    p.add_argument("--temperature", type=float, default=temperature)
-    p.add_argument("--top-k", dest="top_k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+def parser():
+    p = pl.Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU. "
+                  "The model and its files: CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.")
+    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,bench}", parser_class=pl.Parser)
+    for mode, text in (("train", "pretrain (on the embedded default corpus unless --data)"),
+                       ("resume", "continue the run in --out from its checkpoint (train --resume)")):
+        t = sub.add_parser(mode, help=text, description=text)
+        pl.add_train_flags(t, out="out", defaults=pl.TRAIN_DEFAULTS, lr_note=" (small; 0.001 for the others)")
+    s = sub.add_parser("sample", help="generate text from a checkpoint", description="generate text from a checkpoint")
+    s.add_argument("--prompt", default="\n", help="text to continue (default a newline)")
+    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8)
+    c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)",
+                       description="talk to a checkpoint: a chat checkpoint (sft) wraps each line in the SFT template, "
+                                   "a base model continues your text; the conversation is kept within the context")
+    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7)
+    f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
+                       description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
+    pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
+    b = sub.add_parser("bench", help="training and sampling speed", description="training and sampling speed")
+    pl.add_config_arg(b, "small")
+    b.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    b.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    b.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
+    return p
 
 
 def main(argv=None):
-    p = Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU.")
-    sub = p.add_subparsers(dest="mode", metavar="{train,sample,chat,sft,bench}", parser_class=Parser)
-
-    t = sub.add_parser("train", help="pretrain (on the embedded default corpus unless --data)")
-    t.add_argument("config", nargs="?", default="small", choices=["small", "big"],
-                   help="small (1.05M parameters) or big (the ~10M CPU config)")
-    add_train_flags(t, out="out")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-
-    s = sub.add_parser("sample", help="generate text from a checkpoint")
-    s.add_argument("--prompt", default="\n")
-    add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8)
-
-    c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)")
-    add_sample_flags(c, ckpt="out/ckpt.npz", temperature=0.7)
-
-    f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)")
-    add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
-
-    b = sub.add_parser("bench", help="training and sampling speed")
-    b.add_argument("config", nargs="?", default="small", choices=["small", "big_cpu"])
-    b.add_argument("--batch", type=int, default=8)
-    b.add_argument("--seq", type=int, default=256)
-    b.add_argument("--steps", type=int, default=12)
-
-    a = p.parse_args(argv)
-    if a.mode is None:
-        p.print_help()
-        sys.exit(1)
-    if a.mode == "train" and a.config == "big":
-        a.config = "big_cpu"
-    {"train": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft, "bench": cmd_bench}[a.mode](a)
+    p = parser()
+    try:
+        a = p.parse_args(argv)
+        if a.mode is None:
+            p.print_help()
+            return 1
+        if a.mode == "resume":
+            a.resume = True
+        n_threads()
+        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft,
+         "bench": cmd_bench}[a.mode](a)
+    except pl.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

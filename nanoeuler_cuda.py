@@ -1,21 +1,24 @@
 """
-nanoeuler_cuda.py -- the GPU engine of NanoEuler: the model, loss and AdamW of SPEC.md in CUDA on CuPy.
+nanoeuler_cuda.py -- the GPU engine of NanoEuler: the model, loss and AdamW of CONTRACT.md in CUDA on CuPy.
 
 Every kernel is a CUDA source string below, next to the Python function that launches it, compiled at
 first use with cupy.RawModule (NVRTC); the matrix products go to cuBLAS through CuPy's handle (TF32 on
 to train, off for the checks). Parameters, gradients and Adam moments are each one flat device buffer
-with the layout of nanoeuler.Params.flat, so moving weights in or out is one copy. No float atomics
+with the layout of pipeline.Params.flat, so moving weights in or out is one copy. No float atomics
 anywhere: every reduction has a fixed order, so a run is bit-reproducible and a resumed run continues
-the uninterrupted one exactly.
+the uninterrupted one exactly. It needs numpy and CuPy; the CPU engine (nanoeuler.py, Numba) only for the
+float64 references of selftest and gradcheck.
 
-    python nanoeuler_cuda.py                 self-test: every kernel against a float64 reference
-    python nanoeuler_cuda.py g               gradient check of the whole model against nanoeuler.py
-    python nanoeuler_cuda.py t [flags]       pretrain `big` (--steps --batch --seq --lr --out --ckpt-every ...)
-    python nanoeuler_cuda.py tr [flags]      resume the run in --out from its checkpoint
-    python nanoeuler_cuda.py i "It was"      generate with a KV cache (--ckpt --tokens --temperature --top-k --seed)
-    python nanoeuler_cuda.py s [flags]       supervised fine-tuning of a base checkpoint
-    python nanoeuler_cuda.py c [flags]       chat with a checkpoint
-    python nanoeuler_cuda.py bench           speed: tokens/s, ms/step, MFU, memory; flash vs naive attention
+Modes (a word, or the seed's letter):
+    python nanoeuler_cuda.py [selftest]          every kernel against a float64 reference
+    python nanoeuler_cuda.py gradcheck | g       gradients of the whole model against nanoeuler.py
+    python nanoeuler_cuda.py train | t [CONFIG]  pretrain (default big; --steps --batch --seq --lr --out ...)
+    python nanoeuler_cuda.py resume | tr         continue the run in --out from its checkpoint
+    python nanoeuler_cuda.py sample | i "It was" generate with a KV cache (--ckpt --tokens --temperature ...)
+    python nanoeuler_cuda.py sft | s             supervised fine-tuning of a base checkpoint
+    python nanoeuler_cuda.py chat | c            chat with a checkpoint
+    python nanoeuler_cuda.py bench [CONFIG]      speed: tokens/s, ms/step, MFU, memory; flash vs naive attention
+Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
 Sections: GPU runtime | kernels (each next to its launcher: embedding, RMSNorm, RoPE, SwiGLU,
 cross-entropy, attention (flash and naive), inference attention, optimiser) | NVRTC compile check |
@@ -23,17 +26,15 @@ model | optimiser | training | sampling | self-test | gradient check | bench | m
 Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
 S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers.
 """
-import json
 import math
 import os
 import re
 import sys
-import time
 
 import numpy as np
 
-import nanoeuler as ne
-from nanoeuler import die
+import pipeline as pl
+from pipeline import UserError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -54,12 +55,14 @@ def gpu():
         import cupy
         from cupy_backends.cuda.libs import cublas as _cublas
     except Exception as e:  # ImportError, or a CuPy that cannot find its CUDA libraries
-        die(f"the GPU engine needs CuPy and an NVIDIA GPU; CuPy is not usable here ({type(e).__name__}: {e})")
+        raise UserError(f"the GPU engine needs CuPy and an NVIDIA GPU; CuPy is not usable here ({type(e).__name__}: {e}); "
+                        "install the CuPy build of your CUDA (pip install cupy-cuda12x or cupy-cuda13x)") from None
     try:
         if cupy.cuda.runtime.getDeviceCount() < 1:
             raise RuntimeError("no device")
     except Exception as e:
-        die(f"the GPU engine needs an NVIDIA GPU; none is usable here ({type(e).__name__}: {e})")
+        raise UserError(f"the GPU engine needs an NVIDIA GPU; none is usable here ({type(e).__name__}: {e}); "
+                        "the CPU engine is nanoeuler.py") from None
     cp, cublas = cupy, _cublas
     _handle = cupy.cuda.device.get_cublas_handle()
     _probe_scalar_convention()
@@ -445,7 +448,7 @@ def loss_reduce(rowloss, inv_count, ce):
 
 def loss_weights(targets, n_mtp, mtp_weight):
     """Host: per-head (gradient scale, 1/count) as float32, from nanoeuler's MTP weighting."""
-    counts, scales = ne.mtp_scales(targets, n_mtp, mtp_weight)
+    counts, scales = pl.mtp_scales(targets, n_mtp, mtp_weight)
     return scales.astype(np.float32), np.where(counts > 0, 1.0 / np.maximum(counts, 1), 0.0).astype(np.float32)
 
 
@@ -751,7 +754,7 @@ _smem_raised = set()
 
 def _flash_kernel(kind, hd):
     if hd not in (32, 64):
-        die(f"flash attention supports head dims 32 and 64, not {hd} (use --attn naive)")
+        raise UserError(f"flash attention supports head dims 32 and 64, not {hd} (use --attn naive)")
     name, smem = f"flash_{kind}_{hd}", _FLASH_SMEM[kind](hd)
     k = _k(name)
     if smem > 48 * 1024 and name not in _smem_raised:
@@ -1060,7 +1063,7 @@ def compile_check(arch="compute_90", verbose=False):
 def _param_offsets(cfg):
     """name -> (start, end, shape) in the flat buffer: nanoeuler.param_shapes' order, no padding."""
     off, out = 0, {}
-    for name, shape in ne.param_shapes(cfg):
+    for name, shape in pl.param_shapes(cfg):
         n = int(np.prod(shape))
         out[name] = (off, off + n, shape)
         off += n
@@ -1073,7 +1076,7 @@ class DeviceParams:
     def __init__(self, cfg, flat=None):
         self.cfg = cfg
         self.offsets = _param_offsets(cfg)
-        self.flat = cp.zeros(ne.num_params(cfg), np.float32) if flat is None else flat
+        self.flat = cp.zeros(pl.num_params(cfg), np.float32) if flat is None else flat
         self.views = {n: self.flat[a:b].reshape(s) for n, (a, b, s) in self.offsets.items()}
 
     def __getitem__(self, name):
@@ -1089,7 +1092,7 @@ class DeviceParams:
         self.flat.set(np.ascontiguousarray(P.flat, np.float32))
 
     def download(self):
-        return ne.Params(self.cfg, np.float32, cp.asnumpy(self.flat))
+        return pl.Params(self.cfg, np.float32, cp.asnumpy(self.flat))
 
 
 class Model:
@@ -1098,11 +1101,12 @@ class Model:
     def __init__(self, cfg, B, T, attn="flash", train=True, params=None):
         gpu()
         if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
-            die(f"config {cfg}: dim must split into heads, and query heads into kv groups")
+            raise UserError(f"config {cfg}: dim must split into heads, and query heads into kv groups")
         if T > cfg.ctx:
-            die(f"--seq {T} is longer than the context of {cfg.ctx}")
+            raise UserError(f"--seq {T} is longer than the context of {cfg.ctx}")
         if attn == "flash" and cfg.head_dim not in (32, 64):
-            die(f"flash attention supports head dims 32 and 64, this config has {cfg.head_dim} (use --attn naive)")
+            raise UserError(f"flash attention supports head dims 32 and 64, this config has {cfg.head_dim} "
+                            "(use --attn naive)")
         self.cfg, self.B, self.T, self.attn, self.train = cfg, B, T, attn, train
         D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -1112,7 +1116,7 @@ class Model:
         e = lambda *s: cp.empty(s, np.float32)
         self.P = params if params is not None else DeviceParams(cfg)
         self.G = DeviceParams(cfg) if train else None
-        cos, sin = ne.rope_tables(cfg.ctx, hd, np.float64)
+        cos, sin = pl.rope_tables(cfg.ctx, hd, np.float64)
         self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
         # inputs, uploaded in one copy per step: idx | targets | order | starts | (scales, 1/counts) as bits
         self.inp = cp.zeros(3 * N + V + 1 + 2 * K, np.int32)
@@ -1153,7 +1157,7 @@ class Model:
         cfg, N, V, K = self.cfg, self.N, self.cfg.vocab, self.cfg.n_mtp
         assert x.shape == (self.B, self.T), (x.shape, self.B, self.T)
         if x.min() < 0 or x.max() >= V:
-            die(f"token ids must lie in 0..{V - 1}")
+            raise UserError(f"token ids must lie in 0..{V - 1}")
         i = self._stage_i
         self._stage_i ^= 1
         if self._stage_ev[i] is not None:
@@ -1238,7 +1242,7 @@ class Model:
     def losses(self):
         """(objective, per-head CE) from the device (a sync)."""
         ces = [float(c) for c in cp.asnumpy(self.ce)]
-        return ne.mtp_objective(ces, self.cfg.mtp_weight), ces
+        return pl.mtp_objective(ces, self.cfg.mtp_weight), ces
 
     def batch_loss(self, x, y):
         """Head-0 CE of one batch, forward only (validation)."""
@@ -1301,7 +1305,7 @@ class AdamW:
 # training: nanoeuler's train_loop, run set-up and SFT, with this engine's trainer; checkpoints in
 # nanoeuler's format, so either engine resumes the other's run
 
-TRAIN_DEFAULTS = dict(ne.TRAIN_DEFAULTS, config="big", steps=5000, batch=16, seq=512, lr=6e-4, warmup=200,
+TRAIN_DEFAULTS = dict(pl.TRAIN_DEFAULTS, config="big", steps=5000, batch=16, seq=512, lr=6e-4, warmup=200,
                       eval_every=500, sample_every=0, ckpt_every=5000, log_every=50, attn="flash")
 DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
 
@@ -1336,7 +1340,7 @@ class Trainer:
     def results(self):
         rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
         K, w = self.model.cfg.n_mtp, self.model.cfg.mtp_weight
-        return [(ne.mtp_objective([float(c) for c in r[:K]], w), [float(c) for c in r[:K]], float(r[K]))
+        return [(pl.mtp_objective([float(c) for c in r[:K]], w), [float(c) for c in r[:K]], float(r[K]))
                 for r in rows]
 
     def host_state(self):
@@ -1357,27 +1361,31 @@ def make_trainer(P, B, T, attn, state=None):
 
 
 def cmd_train(argv, resume):
-    p = ne.Parser(prog="nanoeuler_cuda.py " + ("tr" if resume else "t"))
-    ne.add_train_flags(p, out="out/gpu")
-    p.add_argument("--config", choices=sorted(ne.CONFIGS), help="default big (the run's own when resuming)")
-    p.add_argument("--attn", choices=["flash", "naive"])
+    p = pl.Parser(prog="nanoeuler_cuda.py " + ("resume" if resume else "train"),
+                  description="resume the run in --out" if resume else "pretrain (default: big on data/pretrain.bin, "
+                  "data/web.txt or data/gutenberg.txt, the first that exists, else the embedded corpus)")
+    defaults = dict(TRAIN_DEFAULTS, data=default_data())
+    pl.add_train_flags(p, out="out/gpu", defaults=defaults)
+    p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
     a = p.parse_args(argv)
+    a.config, resume = pl.config_arg(a), resume or a.resume
     gpu()
-    P, tok, tokens, args, state, extra = ne.start_run(a, dict(TRAIN_DEFAULTS, data=default_data()), resume)
+    P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
     B, T = args["batch"], args["seq"]
     trainer = make_trainer(P, B, T, args["attn"], state)
     print(f"B={B} T={T}, {args['attn']} attention, TF32 matmuls, {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    batches = ne.Batches(tokens, B, T, seed=args["seed"])
+    batches = pl.Batches(tokens, B, T, seed=args["seed"])
     if state is not None:
         batches.set_state(state["data"])
-    bpt = ne.bytes_per_token(tok, tokens)
-    val_fn = lambda: ne.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
+    bpt = pl.bytes_per_token(tok, tokens)
+    val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
+    sampler = Sampler(trainer.model.P)
+    gen = lambda ids, n, rng: sampler.generate(ids, n, 0.8, 40, rng)
     if state is None:
-        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()))
-    ne.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0)
-    prompt = tok.encode("\n")
-    ne.stream(tok, Sampler(trainer.model.P).generate(prompt, 100, 0.8, 40, np.random.default_rng(args["seed"])),
-              "--- sample ---\n")
+        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
+    pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
+                  sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
+    pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1387,7 +1395,7 @@ class Sampler:
     def __init__(self, P):
         """P: DeviceParams (shared, not copied) or nanoeuler.Params (uploaded)."""
         gpu()
-        if isinstance(P, ne.Params):
+        if isinstance(P, pl.Params):
             dp = DeviceParams(P.cfg)
             dp.upload(P)
             P = dp
@@ -1403,7 +1411,7 @@ class Sampler:
         self.kc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
         self.vc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
         self.idx = cp.zeros(ctx, np.int32)
-        cos, sin = ne.rope_tables(ctx, hd, np.float64)
+        cos, sin = pl.rope_tables(ctx, hd, np.float64)
         self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
         self.len = 0
 
@@ -1439,12 +1447,12 @@ class Sampler:
     def generate(self, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None):
         """Yields up to max_new sampled ids, like nanoeuler.generate (stops at the context)."""
         rng = rng if rng is not None else np.random.default_rng(0)
-        ne.check_prompt(len(prompt_ids), self.cfg.ctx)
+        pl.check_prompt(len(prompt_ids), self.cfg.ctx)
         self.len = 0
         ids = list(prompt_ids)
         logits = self.forward(ids)
         for _ in range(max_new):
-            t = ne.sample_token(logits, temperature, top_k, rng)
+            t = pl.sample_token(logits, temperature, top_k, rng)
             yield t
             ids.append(t)
             if len(ids) >= self.cfg.ctx:
@@ -1453,50 +1461,61 @@ class Sampler:
 
 
 def cmd_infer(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py i")
-    p.add_argument("prompt")
-    ne.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
+    p = pl.Parser(prog="nanoeuler_cuda.py sample", description="generate text from a checkpoint")
+    p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
+    p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
+    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
     a = p.parse_args(argv)
+    prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
+    pl.check_sampling(a)
     gpu()
-    P, tok, _, _ = ne.load_checkpoint(a.ckpt)
-    ids = tok.encode(a.prompt)
-    ne.check_prompt(len(ids), P.cfg.ctx)
-    t0 = time.time()
-    n = ne.stream(tok, Sampler(P).generate(ids, a.tokens, a.temperature, a.top_k, np.random.default_rng(a.seed)),
-                  a.prompt)
-    print(f"[{n} tokens, {n / max(time.time() - t0, 1e-9):,.0f} tokens/s with the KV cache]", file=sys.stderr)
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+    sampler = Sampler(P)
+    n, dt = pl.sample_to_stdout(tok, lambda ids, k, rng: sampler.generate(ids, k, a.temperature, a.top_k, rng),
+                                prompt, a, P.cfg.ctx)
+    print(f"[{n} tokens, {n / max(dt, 1e-9):,.0f} tokens/s with the KV cache]", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------
 # SFT and chat: nanoeuler's Alpaca template, data and REPL; batches padded to the model's fixed T
 
 def cmd_sft(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py s")
-    ne.add_sft_flags(p, ckpt="out/gpu/ckpt.npz", out="out/gpu_chat", batch=16, seq=512, lr=1e-4)
-    p.add_argument("--attn", choices=["flash", "naive"], default="flash")
+    p = pl.Parser(prog="nanoeuler_cuda.py sft", description="fine-tune a base checkpoint on instructions")
+    pl.add_sft_flags(p, ckpt="out/gpu/ckpt.npz", out="out/gpu_chat", batch=16, seq=512, lr=1e-4)
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
     a = p.parse_args(argv)
+    pl.check_positive(a, "steps", "batch", "seq")
     gpu()
-    P, tok, _, _ = ne.load_checkpoint(a.ckpt)
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     trainer = make_trainer(P, a.batch, min(a.seq, P.cfg.ctx), a.attn)
-    ne.run_sft(a, P, tok, lambda: trainer, trainer.model.batch_loss, fixed_shape=True)
+    pl.run_sft(a, P, tok, lambda: trainer, trainer.model.batch_loss, fixed_shape=True)
 
 
 def cmd_chat(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py c")
-    ne.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
+    p = pl.Parser(prog="nanoeuler_cuda.py chat", description="talk to a checkpoint (the conversation is kept within "
+                  "the context; a chat checkpoint wraps each line in the SFT template)")
+    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
     a = p.parse_args(argv)
+    pl.check_sampling(a)
     gpu()
-    P, tok, _, extra = ne.load_checkpoint(a.ckpt)
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     sampler = Sampler(P)
     rng = np.random.default_rng(a.seed)
     gen = lambda ids, n: sampler.generate(ids, n, a.temperature, a.top_k, rng)
-    ne.chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+    pl.chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
 
 
 # ----------------------------------------------------------------------------------------------------
 # self-test: every kernel, forward and backward, against a float64 reference (nanoeuler's CPU layers
 # where it has them, numpy otherwise) on fresh random inputs, with the outputs poisoned (NaN) first.
 # Error: max |gpu - ref| / max |ref| per output (NaN anywhere fails).
+
+def cpu_reference():
+    """The CPU engine: the float64 reference of the self-test and the gradient check (it needs Numba; the
+    other modes of this engine run on numpy and CuPy alone)."""
+    import nanoeuler
+    return nanoeuler
+
 
 def rel_err(a, ref):
     a, ref = np.asarray(cp.asnumpy(a) if cp is not None and not isinstance(a, np.ndarray) else a, np.float64), \
@@ -1521,6 +1540,7 @@ def _nan(*shape):
 def _attn_ref(q, k, v, B, T, dout):
     """float64 reference of causal GQA attention: out, dq, dk, dv from nanoeuler's layers; the log2-sum-exp
     of the scaled scores per (b, h, t) directly in numpy."""
+    ne = cpu_reference()
     N, Hq, hd = q.shape
     G = Hq // k.shape[1]
     out, cache = ne.attention_forward(q, k, v, B, T)
@@ -1536,6 +1556,7 @@ def _attn_ref(q, k, v, B, T, dout):
 
 def selftest_checks(rng):
     """-> list of (kernel, error, tolerance)."""
+    ne = cpu_reference()
     R = []
     tol = 1e-5
     randn = lambda *s: rng.standard_normal(s)
@@ -1573,7 +1594,7 @@ def selftest_checks(rng):
     # RoPE on the q and k heads of a fused q|k|v buffer (v untouched), then back
     B, T, Hq, Hkv, hd = 2, 19, 4, 2, 32
     N, S = B * T, (Hq + 2 * Hkv) * hd
-    cos, sin = ne.rope_tables(64, hd, np.float64)
+    cos, sin = pl.rope_tables(64, hd, np.float64)
     u = randn(N, S)
     pos = np.tile(np.arange(T, dtype=np.int32), B)
     ref = u.copy()
@@ -1647,8 +1668,8 @@ def selftest_checks(rng):
         attn_cached(g[a:b], kc, vc, out[a:b], a, Hq, Hkv, hd)
     R.append(("KV-cache attention (prefill + decode)", rel_err(out, out_r), tol))
     # gradient norm, clipping and AdamW on the tiny config's layout (decay only on matrices/embedding)
-    cfg = ne.CONFIGS["tiny"]
-    n = ne.num_params(cfg)
+    cfg = pl.CONFIGS["tiny"]
+    n = pl.num_params(cfg)
     p, gr, m, v = randn(n), randn(n) * 0.05, randn(n) * 0.01, rng.random(n) * 1e-3
     Pd, Gd, = DeviceParams(cfg, _d(p)), DeviceParams(cfg, _d(gr))
     opt = AdamW(Pd, Gd)
@@ -1657,7 +1678,7 @@ def selftest_checks(rng):
     opt.step(3e-3)
     norm = float(np.sqrt(np.dot(gr, gr)))
     pr, mr, vr = p.copy(), m.copy(), v.copy()
-    ne.adamw_step(pr, gr, mr, vr, ne.decay_mask(cfg, np.float64), 3e-3, 0.9, 0.95, 1e-8, 0.1, 3,
+    ne.adamw_step(pr, gr, mr, vr, pl.decay_mask(cfg, np.float64), 3e-3, 0.9, 0.95, 1e-8, 0.1, 3,
                   min(1.0, 1.0 / (norm + 1e-6)))
     R.append(("grad norm (float64 partials)", rel_err(opt.norm, [norm]), tol))
     R.append(("adamw (clip, decay mask) params", rel_err(Pd.flat - _d(p), pr - p), 1e-4))
@@ -1699,8 +1720,8 @@ def print_table(rows, head=("check", "max rel err", "tol", "")):
 
 
 def cmd_selftest(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py")
-    p.add_argument("--seed", type=int, default=None)
+    p = pl.Parser(prog="nanoeuler_cuda.py selftest", description="every kernel against a float64 reference")
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: a fresh one, printed)")
     a = p.parse_args(argv)
     path, comp = compile_check()
     if path is None:
@@ -1718,7 +1739,7 @@ def cmd_selftest(argv):
     rows = selftest_checks(np.random.default_rng(seed))
     ok = print_table(rows) and (path is None or all(ok for _, ok, _ in comp))
     print("self-test:", "PASS" if ok else "FAIL")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1726,15 +1747,15 @@ def cmd_selftest(argv):
 # float64 on the same float32 weights; several layers, Hq/Hkv > 1, >= 3 MTP heads, -1 targets
 
 GRADCHECK = [  # (tag, config, B, T, attention)
-    ("hd32", ne.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "flash"),
-    ("hd64", ne.Config(dim=128, n_heads=2, n_kv_heads=1, n_layers=2, ctx=160, vocab=200, ffn=384, n_mtp=4), 2, 150, "flash"),
-    ("naive", ne.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "naive"),
+    ("hd32", pl.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "flash"),
+    ("hd64", pl.Config(dim=128, n_heads=2, n_kv_heads=1, n_layers=2, ctx=160, vocab=200, ffn=384, n_mtp=4), 2, 150, "flash"),
+    ("naive", pl.Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=3, ctx=128, vocab=256, ffn=384, n_mtp=3), 2, 100, "naive"),
 ]
 
 
 def gradcheck_params(cfg, rng):
     """Weights that make every path matter: peaky attention, non-trivial norm weights."""
-    P = ne.Params(cfg)
+    P = pl.Params(cfg)
     for name, view in P.items():
         view[:] = 1 + 0.2 * rng.standard_normal(view.shape) if view.ndim == 1 else \
             rng.standard_normal(view.shape) * (0.5 if name == "tok_emb" else 0.1)
@@ -1742,8 +1763,9 @@ def gradcheck_params(cfg, rng):
 
 
 def cmd_gradcheck(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py g")
-    p.add_argument("--seed", type=int, default=0)
+    p = pl.Parser(prog="nanoeuler_cuda.py gradcheck",
+                  description="whole-model gradients on the GPU against nanoeuler.py in float64")
+    p.add_argument("--seed", type=int, default=0, help="weights and batch (default 0)")
     a = p.parse_args(argv)
     gpu()
     set_tf32(False)
@@ -1754,7 +1776,7 @@ def cmd_gradcheck(argv):
         x = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
         y = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
         y[rng.random((B, T)) < 0.15] = -1
-        obj_r, ces_r, G_r = ne.loss_and_grads(P.astype(np.float64), x, y)
+        obj_r, ces_r, G_r = cpu_reference().loss_and_grads(P.astype(np.float64), x, y)
         model = Model(cfg, B, T, attn=attn)
         model.P.upload(P)
         model.set_batch(x, y, want_grad=True)
@@ -1772,7 +1794,7 @@ def cmd_gradcheck(argv):
     ok = print_table(rows, ("tensor", "max rel err", "tol", ""))
     worst = max(rows, key=lambda r: r[1])
     print(f"gradient check: {'PASS' if ok else 'FAIL'} (worst {worst[1]:.2e}: {worst[0]})")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1806,7 +1828,7 @@ def bench_step(cfg, B, T, attn, reps):
     pool.free_all_blocks()
     used0 = pool.total_bytes()
     model = Model(cfg, B, T, attn=attn)
-    model.P.upload(ne.Params.init(cfg))
+    model.P.upload(pl.Params.init(cfg))
     opt = AdamW(model.P, model.G)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab, (B, T)).astype(np.int32) for _ in range(2))
@@ -1827,24 +1849,27 @@ def bench_step(cfg, B, T, attn, reps):
 
 
 def cmd_bench(argv):
-    p = ne.Parser(prog="nanoeuler_cuda.py bench")
-    p.add_argument("--config", default="big", choices=sorted(ne.CONFIGS))
+    p = pl.Parser(prog="nanoeuler_cuda.py bench", description="training speed: tokens/s, ms/step, MFU, memory")
+    pl.add_config_arg(p, "big")
     p.add_argument("--batches", default="16,64", help="batch sizes, comma-separated (default 16,64)")
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per size (median)")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive-attention runs")
     a = p.parse_args(argv)
     try:
         batches = [int(b) for b in a.batches.split(",")]
     except ValueError:
-        die(f"--batches wants integers separated by commas, got {a.batches!r}")
+        raise UserError(f"--batches wants integers separated by commas, got {a.batches!r}") from None
+    a.config = pl.config_arg(a) or "big"
+    cfg, T = pl.get_config(a.config), a.seq
+    if not 1 <= T <= cfg.ctx or min(batches) < 1:
+        raise UserError(f"--seq must lie in 1..{cfg.ctx} and every batch size be at least 1")
     gpu()
-    cfg, T = ne.CONFIGS[a.config], a.seq
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"bench on {name}: {a.config} {cfg}, {ne.num_params(cfg):,} parameters, T={T}, TF32 GEMMs, "
+    print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, TF32 GEMMs, "
           f"flash attention; median of {a.steps} steps after 3 warm-up steps")
     set_tf32(True)
-    fpt = ne.model_flops_per_token(cfg, T)
+    fpt = pl.model_flops_per_token(cfg, T)
     rows = []
     for B in batches:
         ms, peak, dev, obj = bench_step(cfg, B, T, "flash", a.steps)
@@ -1897,20 +1922,35 @@ def cmd_bench(argv):
 # ----------------------------------------------------------------------------------------------------
 # main
 
-MODES = {"": cmd_selftest, "g": cmd_gradcheck, "t": lambda a: cmd_train(a, False), "tr": lambda a: cmd_train(a, True),
-         "i": cmd_infer, "s": cmd_sft, "c": cmd_chat, "bench": cmd_bench}
+MODES = {"selftest": cmd_selftest, "gradcheck": cmd_gradcheck, "train": lambda a: cmd_train(a, False),
+         "resume": lambda a: cmd_train(a, True), "sample": cmd_infer, "sft": cmd_sft, "chat": cmd_chat,
+         "bench": cmd_bench}
+LETTERS = {"": "selftest", "g": "gradcheck", "t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat"}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(__doc__.strip())
-        return
+        return 0
     mode, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("", argv)
-    if mode not in MODES:
-        die(f"unknown mode {mode!r} (modes: none for the self-test, g, t, tr, i, s, c, bench; --help)")
-    MODES[mode](rest)
+    mode = LETTERS.get(mode, mode)
+    try:
+        if mode not in MODES:
+            raise UserError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)} (or the letters "
+                            f"{', '.join(repr(k) for k in LETTERS)}); see nanoeuler_cuda.py --help")
+        return MODES[mode](rest) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if cp is not None and isinstance(e, cp.cuda.memory.OutOfMemoryError):
+            print(f"error: out of GPU memory ({e}); lower --batch or --seq", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,962 @@
+"""
+pipeline.py -- what both engines share, in numpy alone: the model contract's configs and parameter layout,
+the objective's weighting, the learning-rate schedule, data, checkpoints, sampling rules, SFT data, the
+chat loop, the training loop with its Trainer protocol, run set-up and the command-line flags.
+
+The engines are peers on top of it: nanoeuler.py (CPU, Numba) and nanoeuler_cuda.py (GPU, CuPy). Neither
+imports the other for training; the GPU's self-test and gradient check borrow the CPU engine as their
+float64 reference. CONTRACT.md describes the model and the files this module reads and writes.
+
+Library code raises UserError with a message that says what to do; each engine's main() prints it as one
+`error:` line and exits non-zero.
+
+Sections: errors | config | parameters | objective and schedule | data | checkpoints | sampling rules |
+SFT | chat | training | command line.
+"""
+import argparse
+import codecs
+import difflib
+import functools
+import json
+import math
+import os
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+import bpe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.environ.get("NANOEULER_CACHE", os.path.join(HERE, "data", "cache"))   # tokenizers and token files
+EOT = "<|endoftext|>"
+
+
+# ----------------------------------------------------------------------------------------------------
+# errors: one type for every mistake a user can make; main() turns it into one line
+
+class UserError(Exception):
+    """Bad input, or a run that cannot go on. The message says what to do."""
+
+
+def _one_line_hook(kind, value, tb, _default=sys.excepthook):
+    """A UserError raised outside main() (at import: a missing package) still prints one line."""
+    if issubclass(kind, UserError):
+        print(f"error: {value}", file=sys.stderr)
+    else:
+        _default(kind, value, tb)
+
+
+sys.excepthook = _one_line_hook
+
+
+# ----------------------------------------------------------------------------------------------------
+# config: the contract's models, one name each, accepted by every mode of both engines
+
+@dataclass
+class Config:
+    dim: int          # D, width of the residual stream
+    n_heads: int      # Hq query heads
+    n_kv_heads: int   # Hkv key/value heads (query head j reads kv head j // (Hq/Hkv))
+    n_layers: int     # L
+    ctx: int          # longest sequence
+    vocab: int        # V
+    ffn: int          # F, SwiGLU hidden width
+    n_mtp: int        # output heads: head k predicts token t+1+k
+    mtp_weight: float = 0.3
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+    def to_json(self):
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(s):
+        d = json.loads(s)
+        known = {f.name for f in fields(Config)}
+        return Config(**{k: v for k, v in d.items() if k in known})
+
+
+CONFIGS = {   # tiny: the tests and gradient checks; small: the CPU showcase; medium: ~10M, the CPU's larger
+    "tiny": Config(dim=32, n_heads=4, n_kv_heads=2, n_layers=3, ctx=64, vocab=300, ffn=96, n_mtp=3),
+    "small": Config(dim=128, n_heads=4, n_kv_heads=2, n_layers=4, ctx=512, vocab=512, ffn=384, n_mtp=3),
+    "medium": Config(dim=256, n_heads=4, n_kv_heads=2, n_layers=8, ctx=512, vocab=4096, ffn=768, n_mtp=3),
+    "big": Config(dim=768, n_heads=12, n_kv_heads=4, n_layers=16, ctx=512, vocab=4096, ffn=2048, n_mtp=4),
+    "large": Config(dim=1024, n_heads=16, n_kv_heads=4, n_layers=22, ctx=1024, vocab=4096, ffn=2816, n_mtp=4),
+}
+
+
+def get_config(name):
+    if name not in CONFIGS:
+        raise UserError(f"unknown config {name!r}; the configs are {', '.join(CONFIGS)} (CONTRACT.md)")
+    return CONFIGS[name]
+
+
+def config_name(cfg):
+    """The name of a config in CONFIGS, or 'custom'."""
+    return next((n for n, c in CONFIGS.items() if c == cfg), "custom")
+
+
+# ----------------------------------------------------------------------------------------------------
+# parameters: one flat buffer, named views in the contract's order
+
+def param_shapes(cfg):
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn
+    shapes = [("tok_emb", (cfg.vocab, D))]
+    for i in range(cfg.n_layers):
+        shapes += [(f"layers.{i}.attn_norm", (D,)),
+                   (f"layers.{i}.wq", (cfg.n_heads * hd, D)),
+                   (f"layers.{i}.wk", (cfg.n_kv_heads * hd, D)),
+                   (f"layers.{i}.wv", (cfg.n_kv_heads * hd, D)),
+                   (f"layers.{i}.wo", (D, cfg.n_heads * hd)),
+                   (f"layers.{i}.ffn_norm", (D,)),
+                   (f"layers.{i}.w1", (F, D)),
+                   (f"layers.{i}.w3", (F, D)),
+                   (f"layers.{i}.w2", (D, F))]
+    shapes += [("norm", (D,))] + [(f"heads.{k}", (cfg.vocab, D)) for k in range(cfg.n_mtp)]
+    return shapes
+
+
+def num_params(cfg):
+    return sum(int(np.prod(s)) for _, s in param_shapes(cfg))
+
+
+class Params:
+    """One flat buffer holding every tensor; p[name] is a view of it with the contract's shape.
+    Gradients and Adam moments use the same class, so they share the layout."""
+
+    def __init__(self, cfg, dtype=np.float32, flat=None):
+        self.cfg = cfg
+        self.flat = np.zeros(num_params(cfg), dtype) if flat is None else flat
+        assert self.flat.shape == (num_params(cfg),)
+        self.offsets, self.views, off = {}, {}, 0
+        for name, shape in param_shapes(cfg):
+            n = int(np.prod(shape))
+            self.offsets[name] = (off, off + n)
+            self.views[name] = self.flat[off:off + n].reshape(shape)
+            off += n
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    @property
+    def names(self):
+        return list(self.views)
+
+    def items(self):
+        return self.views.items()
+
+    def rows(self, first, last):
+        """Consecutive matrices with the same input width as one (rows, in) view: wq|wk|wv, w1|w3, heads."""
+        start, end = self.offsets[first][0], self.offsets[last][1]
+        return self.flat[start:end].reshape(-1, self.views[first].shape[1])
+
+    def astype(self, dtype):
+        return Params(self.cfg, dtype, self.flat.astype(dtype))
+
+    @staticmethod
+    def init(cfg, seed=0, dtype=np.float32):
+        rng = np.random.default_rng(seed)
+        P = Params(cfg, dtype)
+        for name, view in P.items():
+            if view.ndim == 1:
+                view[:] = 1.0                                   # norm weights
+            else:
+                std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith((".wo", ".w2")) else 0.02
+                view[:] = rng.normal(0.0, std, view.shape)
+        return P
+
+
+def decay_mask(cfg, dtype=np.float32):
+    """1 where weight decay applies (every matrix and the embedding), 0 on norm weights."""
+    mask = Params(cfg, dtype)
+    for name, view in mask.items():
+        view[:] = 0.0 if view.ndim == 1 else 1.0
+    return mask.flat
+
+
+def model_flops_per_token(cfg, T):
+    """Training FLOPs per token: 6 per matrix weight (forward + backward) plus attention's score and value
+    products (6 * 2 * T * D per layer: the full T x T products, as usual, though causal kernels skip
+    part of them)."""
+    matrix = num_params(cfg) - cfg.vocab * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim   # no embedding/norms
+    return 6 * matrix + 12 * cfg.n_layers * T * cfg.n_heads * cfg.head_dim
+
+
+@functools.cache                                   # read-only tables, made once per shape and dtype
+def rope_tables(ctx, hd, dtype):
+    """RoPE, half-split: u'[i] = u[i] cos a - u[i+hd/2] sin a, with a = pos * 10000^(-2i/hd)."""
+    freqs = 10000.0 ** (-np.arange(0, hd // 2) * 2.0 / hd)         # f_i = theta^(-2i/hd)
+    angles = np.arange(ctx)[:, None] * freqs[None, :]              # (ctx, hd/2)
+    cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+    cos.flags.writeable = sin.flags.writeable = False                # shared by every caller
+    return cos, sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# objective and schedule
+
+def mtp_targets(targets, n_mtp):
+    """targets (B, T) -> (n_mtp, B, T): head k's target at t is targets[t+k] when t+k < T, else -1."""
+    B, T = targets.shape
+    out = np.full((n_mtp, B, T), -1, np.int32)
+    for k in range(n_mtp):
+        out[k, :, :T - k] = targets[:, k:]
+    return out
+
+
+def mtp_scales(targets, n_mtp, mtp_weight, counts=None):
+    """Per head k: the number of counted targets, and the scale weight_k / count_k of its softmax gradient
+    (weight 1 for head 0, mtp_weight / (n_mtp - 1) for the others; 0 for a head with no target)."""
+    if counts is None:
+        counts = np.array([int((targets[:, k:] >= 0).sum()) for k in range(n_mtp)])
+    weights = np.array([1.0] + [mtp_weight / max(n_mtp - 1, 1)] * (n_mtp - 1))
+    return counts, np.where(counts > 0, weights / np.maximum(counts, 1), 0.0)
+
+
+def mtp_objective(ces, mtp_weight):
+    """CE_0 + mtp_weight * mean(CE_1 .. CE_{n-1}) from the per-head means."""
+    return ces[0] + (mtp_weight * float(np.mean(ces[1:])) if len(ces) > 1 else 0.0)
+
+
+def lr_at(step, schedule_steps, peak_lr, warmup):
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of the peak at step schedule_steps;
+    10% after it (a run resumed with more --steps than it started with goes on at that floor)."""
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, schedule_steps - warmup))
+    return peak_lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# data: uint16 token files read through a memmap, a train/validation split, the embedded default corpus
+
+def existing_file(path, what):
+    """path, if it names a file; a clear UserError for a folder or nothing."""
+    if os.path.isdir(path):
+        raise UserError(f"{what} {path} is a folder; give the file itself")
+    if not os.path.isfile(path):
+        raise UserError(f"{what} not found: {path}")
+    return path
+
+
+def read_text(path):
+    """A corpus file as str; missing, empty or non-text files raise UserError."""
+    with open(existing_file(path, "data file"), "rb") as f:
+        raw = f.read()
+    if not raw.strip():
+        raise UserError(f"data file is empty: {path}")
+    if b"\x00" in raw[:1 << 20]:
+        raise UserError(f"data file is not text (NUL bytes): {path}; give UTF-8 text or a uint16 .bin token file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data file is not UTF-8 text ({e.reason} at byte {e.start}): {path}") from None
+
+
+def load_tokens(path, vocab=None):
+    """A raw little-endian uint16 token file (nanoGPT's train.bin) as a read-only memmap."""
+    size = os.path.getsize(existing_file(path, "token file"))
+    if size == 0:
+        raise UserError(f"token file is empty: {path}")
+    if size % 2:
+        raise UserError(f"token file has an odd number of bytes, not uint16 tokens: {path}")
+    tokens = np.memmap(path, dtype="<u2", mode="r")
+    if vocab is not None:
+        top = int(tokens.max())
+        if top >= vocab:
+            raise UserError(f"token file {path} holds id {top}, outside the vocabulary of {vocab}; "
+                            "was it encoded with another tokenizer?")
+    return tokens
+
+
+def default_corpus():
+    """English prose that ships with the interpreter: the pydoc topics (statements, types, operators)."""
+    from pydoc_data.topics import topics
+    text = f"\n{EOT}\n".join(topics[k].strip() for k in sorted(topics))
+    return text, f"embedded default corpus: Python's pydoc_data topics ({len(text) / 1e6:.2f} MB, no download)"
+
+
+def load_tokenizer(path):
+    try:
+        return bpe.Tokenizer.load(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"bad tokenizer file: {e}") from None
+
+
+def check_vocab_fits(tok, cfg, name, source):
+    """A tokenizer with more ids than the model's vocabulary cannot be trained on: say which config fits."""
+    if tok.vocab_size > cfg.vocab:
+        fits = [n for n, c in CONFIGS.items() if c.vocab >= tok.vocab_size]
+        raise UserError(f"{source} has {tok.vocab_size} token ids, more than config {name}'s vocabulary of "
+                        f"{cfg.vocab}; use a config that fits ({', '.join(fits) or 'none'}) or a smaller tokenizer")
+
+
+def prepare_data(data_path, cfg, cfg_name, cache_dir=CACHE):
+    """Corpus -> (uint16 tokens, tokenizer of at most cfg.vocab ids). A .bin file is taken as tokens and
+    needs its tokenizer beside it (NAME.bpe or tokenizer.bpe); a text file (or the embedded default, for
+    None) is tokenised once and cached under cache_dir."""
+    if data_path and data_path.endswith(".bin"):
+        existing_file(data_path, "token file")
+        tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
+                         if os.path.isfile(p)), None)
+        if tok_path is None:
+            raise UserError(f"no tokenizer for {data_path}: put it beside it as "
+                            f"{os.path.basename(data_path)[:-4]}.bpe or tokenizer.bpe")
+        tok = load_tokenizer(tok_path)
+        check_vocab_fits(tok, cfg, cfg_name, f"tokenizer {tok_path}")
+        print(f"data: {data_path} (tokenizer {tok_path})")
+        return load_tokens(data_path, tok.vocab_size), tok
+    if data_path:
+        text, what = read_text(data_path), f"data: {data_path}"
+        key = f"{os.path.basename(data_path)}.{os.path.getsize(data_path)}.{int(os.path.getmtime(data_path))}"
+    else:
+        text, what = default_corpus()
+        key = f"default.{len(text)}"
+    os.makedirs(cache_dir, exist_ok=True)
+    base = os.path.join(cache_dir, f"{key}.v{cfg.vocab}")
+    if os.path.exists(base + ".bin") and os.path.exists(base + ".bpe"):
+        print(f"{what} (tokens cached in {base}.bin)", flush=True)
+        return load_tokens(base + ".bin", cfg.vocab), load_tokenizer(base + ".bpe")
+    print(f"{what}; training a {cfg.vocab}-id tokenizer and encoding (once; cached after)", flush=True)
+    t0 = time.time()
+    # the tokenizer learns its merges from the first 20 MB: enough for a 4096 vocabulary, and quick
+    tok = bpe.Tokenizer.train(text[:20_000_000], cfg.vocab, verbose=len(text) > 5e6)
+    if data_path:                                    # every core, streamed from the file
+        n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, data_path, base + ".bin", verbose=len(text) > 5e6)
+    else:
+        ids = np.array(tok.encode(text, allowed_special="all"), dtype="<u2")
+        with open(base + ".bin.tmp", "wb") as f:
+            f.write(ids.tobytes())
+        os.replace(base + ".bin.tmp", base + ".bin")
+        n_tokens, n_bytes = len(ids), len(text.encode())
+    tok.save(base + ".bpe.tmp")
+    os.replace(base + ".bpe.tmp", base + ".bpe")
+    print(f"tokenizer: vocab {tok.vocab_size}, {n_tokens:,} tokens, {n_bytes / n_tokens:.2f} bytes/token "
+          f"({time.time() - t0:.1f} s)")
+    return load_tokens(base + ".bin", cfg.vocab), tok
+
+
+class Batches:
+    """Random windows of T+1 tokens from one split (the first 1-val_frac of the file trains, the rest
+    validates). The generator state is the data position, saved in checkpoints for exact resumption."""
+
+    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1):
+        n_val = max(T + 2, int(len(tokens) * val_frac))
+        self.tokens = tokens[:len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val:]
+        if len(self.tokens) < T + 2:
+            raise UserError(f"the {split} split has {len(self.tokens)} tokens, too few for windows of {T}; "
+                            "use more data or a smaller --seq")
+        self.B, self.T = B, T
+        self.rng = np.random.default_rng(seed)
+
+    def next(self):
+        starts = self.rng.integers(0, len(self.tokens) - self.T - 1, self.B)
+        w = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts]).astype(np.int32)
+        return w[:, :-1], w[:, 1:]
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def set_state(self, state):
+        self.rng.bit_generator.state = state
+
+
+def bytes_per_token(tok, tokens):
+    sample = np.asarray(tokens[-200_000:])
+    return len(tok.decode_bytes(sample.tolist())) / len(sample)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: one .npz (CONTRACT.md), written to a temporary file and renamed, so a crash never leaves half
+
+def save_checkpoint(path, P, tok, state=None, extra=None):
+    """state (for resuming): {"step", "adam_m", "adam_v" (Params), "data" (loader state), "train" (args)}."""
+    cfg_json = json.loads(P.cfg.to_json())
+    cfg_json.update(extra or {})
+    arrays = {name: np.asarray(view, np.float32) for name, view in P.items()}
+    arrays["config"] = np.array(json.dumps(cfg_json))
+    arrays["tokenizer"] = np.array(tok.to_string())
+    if state is not None:
+        arrays["step"] = np.array(state["step"], np.int64)
+        for name in P.names:
+            arrays[f"adam_m.{name}"] = np.asarray(state["adam_m"][name], np.float32)
+            arrays[f"adam_v.{name}"] = np.asarray(state["adam_v"][name], np.float32)
+        arrays["train_state"] = np.array(json.dumps({k: state[k] for k in state if k not in ("adam_m", "adam_v")}))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):                      # a failed write leaves the last good file, and no litter
+            os.remove(tmp)
+
+
+def checkpoint_path(path):
+    """A checkpoint file, or the ckpt.npz inside a run folder."""
+    if os.path.isdir(path):
+        inner = os.path.join(path, "ckpt.npz")
+        if not os.path.isfile(inner):
+            raise UserError(f"{path} is a folder without a ckpt.npz; give a checkpoint file or a run folder")
+        return inner
+    return existing_file(path, "checkpoint")
+
+
+def load_checkpoint(path, want_state=False):
+    """-> (Params float32, tokenizer, state or None, config extras). Bad files raise UserError."""
+    path = checkpoint_path(path)
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"{path} is corrupt or not a NanoEuler checkpoint (not a whole .npz file, as train and "
+                        "sft write)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            meta = json.loads(str(z["config"]))
+            cfg = Config.from_json(str(z["config"]))
+            P = Params(cfg)
+            for name, view in P.items():
+                if name not in files:
+                    raise UserError(f"checkpoint {path} lacks tensor {name}; it is damaged or from another program")
+                arr = z[name]
+                if arr.shape != view.shape:
+                    raise UserError(f"checkpoint {path}: {name} has shape {arr.shape}, its config says {view.shape}")
+                view[:] = arr
+            tok = bpe.Tokenizer.from_string(str(z["tokenizer"]))
+            state = None
+            if want_state and "train_state" in files:
+                state = json.loads(str(z["train_state"]))
+                state["step"] = int(z["step"])
+                state["adam_m"], state["adam_v"] = Params(cfg), Params(cfg)
+                for name in P.names:
+                    state["adam_m"][name][:] = z[f"adam_m.{name}"]
+                    state["adam_v"][name][:] = z[f"adam_v.{name}"]
+    except UserError:
+        raise
+    except Exception as e:  # zip, JSON or tokenizer damage: say what, in one line
+        raise UserError(f"checkpoint {path} is corrupt or not a NanoEuler checkpoint ({type(e).__name__}: {e})") from None
+    if tok.vocab_size > cfg.vocab:
+        raise UserError(f"checkpoint {path}: tokenizer has {tok.vocab_size} tokens, more than the config's {cfg.vocab}")
+    if not np.isfinite(P.flat).all():
+        raise UserError(f"checkpoint {path} holds NaN or infinite weights; use an earlier checkpoint")
+    extras = {k: v for k, v in meta.items() if k not in asdict(cfg)}
+    return P, tok, state, extras
+
+
+# ----------------------------------------------------------------------------------------------------
+# sampling rules: head 0, temperature and top-k; both engines draw with sample_token
+
+def sample_token(logits, temperature, top_k, rng):
+    """One id from a (V,) row of logits: greedy at temperature 0, else softmax(logits / T) over the top k."""
+    logits = np.asarray(logits, np.float64)
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits / temperature
+    if top_k and top_k < len(z):
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
+    p = np.exp(z - z.max())
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(z) - 1))
+
+
+def check_sampling(a):
+    """The sampling flags of sample and chat: a mistake is refused, not read as something else."""
+    if a.tokens < 1:
+        raise UserError(f"--tokens {a.tokens}: give how many tokens to generate, at least 1")
+    if not a.temperature >= 0:
+        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or a positive number")
+    if a.top_k < 0:
+        raise UserError(f"--top-k {a.top_k}: give 0 (all tokens) or a positive number")
+
+
+def check_prompt(n_tokens, ctx):
+    if n_tokens == 0:
+        raise UserError("the prompt is empty")
+    if n_tokens >= ctx:
+        raise UserError(f"the prompt is {n_tokens} tokens, longer than the context of {ctx} minus one; shorten it")
+
+
+def stream(tok, ids_iter, prefix=""):
+    """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete; -> count."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(prefix)
+    n = 0
+    for t in ids_iter:
+        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
+        sys.stdout.flush()
+        n += 1
+    print(decoder.decode(b"", final=True))
+    return n
+
+
+def sample_to_stdout(tok, generate_fn, prompt, a, ctx):
+    """The sample mode of both engines: streams a.tokens ids after the prompt; says so when the context
+    ends the text first. generate_fn(ids, n, rng) yields ids."""
+    check_sampling(a)
+    ids = tok.encode(prompt)
+    check_prompt(len(ids), ctx)
+    t0 = time.perf_counter()
+    n = stream(tok, generate_fn(ids, a.tokens, np.random.default_rng(a.seed)), prompt)
+    dt = time.perf_counter() - t0
+    if n < a.tokens:
+        print(f"[stopped after {n} tokens: the context of {ctx} tokens is full]", file=sys.stderr)
+    return n, dt
+
+
+# ----------------------------------------------------------------------------------------------------
+# supervised fine-tuning: the Alpaca template of CONTRACT.md, loss on the response and the closing token only
+
+def format_prompt(instruction, input=""):
+    """The template up to and including '### Response:\\n'."""
+    if input:
+        return ("Below is an instruction that describes a task, paired with an input that provides further "
+                "context.\nWrite a response that appropriately completes the request.\n\n"
+                f"### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+    return ("Below is an instruction that describes a task.\nWrite a response that appropriately completes "
+            f"the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def sft_example(tok, ex, T):
+    """-> (ids, targets) of at most T positions; targets[t] = ids[t+1] where that token belongs to the
+    response or its <|endoftext|>, else -1. None when not even one response token fits."""
+    prompt = tok.encode(format_prompt(ex["instruction"], ex.get("input", "")))
+    seq = prompt + tok.encode(ex["output"]) + [tok.eot]
+    seq = seq[:T + 1]
+    if len(seq) <= len(prompt):
+        return None
+    ids = np.array(seq[:-1], np.int32)
+    targets = np.array(seq[1:], np.int32)
+    targets[:len(prompt) - 1] = -1                                  # positions whose next token is prompt
+    return ids, targets
+
+
+def builtin_sft_examples():
+    """A small instruction set that needs no download, made from the embedded corpus: each pydoc topic
+    gives questions whose answers are its opening sentences."""
+    from pydoc_data.topics import topics
+    examples = []
+    for key in sorted(topics):
+        lines = [l.strip() for l in topics[key].strip().splitlines()]
+        title = lines[0]
+        body = " ".join(l for l in lines[1:] if l and not set(l) <= set("*=-^"))
+        sentences = [s.strip() + "." for s in body.split(". ") if len(s.split()) > 3][:2]
+        if not sentences:
+            continue
+        answer = " ".join(sentences)[:400]
+        examples.append({"instruction": f"Explain {title[0].lower() + title[1:]}.", "input": "", "output": answer})
+        examples.append({"instruction": "What is this topic about?", "input": title, "output": answer})
+        examples.append({"instruction": "Give the title of this text.", "input": answer, "output": title})
+    return examples
+
+
+def load_sft_data(path):
+    """Alpaca-style JSON list of {instruction, input, output}; None gives the built-in set."""
+    if path is None:
+        return builtin_sft_examples()
+    existing_file(path, "SFT data")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"SFT data {path} is not valid JSON ({e})") from None
+    if not isinstance(data, list) or not data or not all(
+            isinstance(d, dict) and isinstance(d.get("instruction"), str) and isinstance(d.get("output"), str)
+            for d in data):
+        raise UserError(f"SFT data {path} must be a non-empty JSON list of objects with instruction, input, output")
+    return data
+
+
+class SFTBatches:
+    """Batches of B examples padded with <|endoftext|> to the longest, or with fixed=True to exactly (B, T)
+    (an engine with preallocated buffers); padding targets are -1. Same interface as Batches."""
+
+    def __init__(self, tok, examples, B, T, seed=0, fixed=False):
+        encoded = [sft_example(tok, ex, T) for ex in examples]
+        self.examples = [e for e in encoded if e is not None]
+        if not self.examples:
+            raise UserError(f"no SFT example fits the context of {T} tokens; raise --seq or shorten the prompts")
+        self.B, self.T, self.fixed, self.eot = B, T, fixed, tok.eot
+        self.rng = np.random.default_rng(seed)
+
+    def batch(self, chosen):
+        B, T = (self.B, self.T) if self.fixed else (len(chosen), max(len(self.examples[i][0]) for i in chosen))
+        x = np.full((B, T), self.eot, np.int32)
+        y = np.full((B, T), -1, np.int32)
+        for r, i in enumerate(chosen):
+            ids, targets = self.examples[i]
+            x[r, :len(ids)], y[r, :len(ids)] = ids, targets
+        return x, y
+
+    def next(self):
+        return self.batch(self.rng.integers(0, len(self.examples), self.B))
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def set_state(self, state):
+        self.rng.bit_generator.state = state
+
+
+def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
+    """Fine-tunes the base model P on instructions, for either engine: make_trainer() -> a train_loop
+    trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after)."""
+    check_positive(a, "steps", "batch", "seq")
+    if not a.lr > 0:
+        raise UserError(f"--lr {a.lr}: give a positive learning rate")
+    examples = load_sft_data(a.data)
+    print(f"SFT data: {a.data or 'built-in instruction set (no download)'}, {len(examples)} examples")
+    order = np.random.default_rng(a.seed).permutation(len(examples))
+    n_val = max(1, len(examples) // 20)
+    T = min(a.seq, P.cfg.ctx)
+    batches = SFTBatches(tok, [examples[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape)
+    val = SFTBatches(tok, [examples[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape)
+    ckpt_path = os.path.join(a.out, "ckpt.npz")
+    if os.path.exists(ckpt_path) and not a.force:
+        raise UserError(f"{ckpt_path} exists: use another --out or --force")
+    os.makedirs(a.out, exist_ok=True)
+
+    def val_fn():
+        n = len(val.examples)
+        return float(np.mean([batch_loss(*val.batch(range(i, min(n, i + a.batch)))) for i in range(0, n, a.batch)])), None
+
+    before = val_fn()[0]
+    print(f"SFT validation loss before: {before:.4f}")
+    args = dict(TRAIN_DEFAULTS, steps=a.steps, schedule_steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1),
+                batch=a.batch, seq=T, eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9,
+                log_every=10, data=a.data)
+    train_loop(make_trainer(), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
+    after = val_fn()[0]
+    print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# chat: a REPL that streams the model's answer and keeps the conversation within the context
+
+def chat_repl(tok, generate_fn, template, max_new, ctx):
+    """generate_fn(prompt_ids, max_new) yields ids. EOF ends the session; Ctrl-C stops only the answer.
+    Each turn sees the earlier ones (as SFT blocks for a chat checkpoint, as plain text for a base
+    model); the oldest are dropped, with a notice, when the conversation outgrows the context."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  -- line editing and history for input()
+        except ImportError:                          # not on every platform: plain input() still works
+            pass
+    kind = "instruction model: your line is wrapped in the SFT template" if template else \
+        "base model: it continues your text"
+    print(f"chat ({kind}); Ctrl-D ends, Ctrl-C stops an answer", flush=True)
+    turns = []                                       # [(user ids, answer ids)] of the conversation so far
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            print()
+            continue
+        if not interactive:
+            print(f"> {line}", flush=True)           # piped questions are shown, so answers read in order
+        if not line.strip():
+            continue
+        user = tok.encode(format_prompt(line) if template else (line if not turns else "\n" + line))
+        history = lambda ts: [t for u, ans in ts for t in u + ans]
+        budget = max(ctx - max_new, ctx // 2)        # room to answer, when the conversation allows it
+        dropped = 0
+        while turns and len(history(turns)) + len(user) > budget:
+            turns.pop(0)
+            dropped += 1
+        if dropped:
+            print(f"[dropped the {dropped} oldest turn(s) to fit the context of {ctx} tokens]", flush=True)
+        ids = history(turns) + user
+        if len(ids) >= ctx:
+            print(f"error: the message is {len(ids)} tokens, longer than the context of {ctx} minus one; "
+                  "shorten it", flush=True)
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        answer = []
+        try:
+            for t in generate_fn(ids, min(max_new, ctx - len(ids))):
+                answer.append(t)
+                if t == tok.eot:
+                    break
+                print(decoder.decode(tok.decode_bytes([t])), end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print(decoder.decode(b"", final=True), flush=True)
+        if template and (not answer or answer[-1] != tok.eot):
+            answer.append(tok.eot)                   # each turn closes as SFT taught it
+        turns.append((user, answer))
+
+
+# ----------------------------------------------------------------------------------------------------
+# training: one loop for pretraining and SFT; progress lines, a JSONL log, atomic checkpoints
+#
+# The Trainer protocol, which each engine implements:
+#   step(x, y, lr)  queue one AdamW step on the batch (x, y) (B, T) int32
+#   results()       -> [(objective, per-head CE, grad norm)] of the steps since the last call
+#   host_state()    -> (parameters, Adam m, Adam v) as host Params, for checkpoints and samples
+#   sync_every_step False when steps may run ahead of the host until the next results()
+
+class StopFlag:
+    """Ctrl-C sets a flag that the loop reads between steps, so a checkpoint never holds half a step.
+    restore() puts the previous handler back (a later Ctrl-C then interrupts as usual)."""
+
+    def __init__(self):
+        import signal
+        self.stop = False
+        self.previous = signal.signal(signal.SIGINT, self.handler)
+
+    def handler(self, signum, frame):
+        if self.stop:                                    # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\n[Ctrl-C: finishing this step, then saving a checkpoint]", flush=True)
+
+    def restore(self):
+        import signal
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def evaluate(batch_loss, tokens, B, T, n_batches, bytes_per_token):
+    """Head-0 validation loss over fixed batches of the validation split, and bits per byte.
+    batch_loss(x, y) -> head-0 CE of one batch, on whichever engine."""
+    val = Batches(tokens, B, T, seed=1234, split="val")
+    loss = float(np.mean([batch_loss(*val.next()) for _ in range(n_batches)]))
+    return loss, loss / math.log(2) / bytes_per_token
+
+
+def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None):
+    """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
+    a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
+    args: steps, schedule_steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
+    val_fn() -> (val loss, bits per byte); sample_fn(step) prints a sample. Returns the last validation loss; raises KeyboardInterrupt
+    after saving when Ctrl-C stopped the run."""
+    ckpt_path = os.path.join(out_dir, "ckpt.npz")
+    flag = StopFlag()
+    try:
+        with open(os.path.join(out_dir, "train_log.jsonl"), "a") as log:
+            step, val_loss = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start,
+                                          sample_fn)
+    finally:
+        flag.restore()
+    if flag.stop:
+        raise KeyboardInterrupt
+    return val_loss
+
+
+def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start, sample_fn):
+    steps, val_loss, t_start = args["steps"], None, time.time()
+    schedule = args.get("schedule_steps") or steps
+
+    def checkpoint(step):
+        P, m, v = trainer.host_state()
+        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
+                                            "train": args}, extra)
+
+    step, pending, t_last = start, [], time.time()
+    t_print, tokens_since_print = t_last, 0                        # the progress line's rate: since the last one
+    while step < steps:
+        lr = lr_at(step, schedule, args["lr"], args["warmup"])
+        x, y = batches.next()
+        trainer.step(x, y, lr)
+        step += 1
+        pending.append((step, lr, x.size))
+        stopping = flag.stop or (args.get("stop_after") and step - start >= args["stop_after"])
+        evaluating = val_fn is not None and (step % args["eval_every"] == 0 or step == steps)
+        saving = step % args["ckpt_every"] == 0 or step == steps or stopping
+        printing = step % args["log_every"] == 0 or step == steps or evaluating
+        if not (trainer.sync_every_step or printing or saving or stopping):
+            continue
+        # read back the steps since the last sync: the device may have run ahead of the host until here
+        results, now = trainer.results(), time.time()
+        dt = (now - t_last) / len(pending)
+        tokens_since_print += sum(n for _, _, n in pending)
+        for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
+            if not math.isfinite(objective):
+                raise UserError(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept "
+                                f"({ckpt_path}); try a lower --lr")
+            rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
+                   "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt)}
+            if s == step and evaluating:
+                val_loss, bpb = val_fn()
+                rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}))
+            log.write(json.dumps(rec) + "\n")
+        log.flush()
+        if printing:
+            eta = (steps - step) * (time.time() - t_start) / (step - start)
+            rate = tokens_since_print / (now - t_print)
+            t_print, tokens_since_print = time.time(), 0
+            msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
+                   f"ETA {eta / 60:.1f} min")
+            if evaluating:
+                msg += f" | val loss {rec['val_loss']:.4f}" + (f" | val bpb {rec['val_bpb']:.3f}" if "val_bpb" in rec else "")
+            print(msg, flush=True)
+        if sample_fn and args.get("sample_every") and step % args["sample_every"] == 0 and step < steps:
+            sample_fn(step)
+        if saving:
+            checkpoint(step)
+        pending, t_last = [], time.time()
+        if stopping:
+            break
+    print(f"checkpoint: {ckpt_path} (step {step}/{steps}, {(time.time() - t_start) / 60:.1f} min)")
+    return step, val_loss
+
+
+def print_sample(tok, generate_fn, prompt, n, seed=0):
+    """A sample in a frame, for progress output: generate_fn(ids, n, rng) yields ids."""
+    ids = tok.encode(prompt)
+    out = list(generate_fn(ids, n, np.random.default_rng(seed)))
+    print("--- sample ---\n" + tok.decode(ids + out) + "\n--------------", flush=True)
+
+
+# The small model's defaults: on the embedded corpus (~215K tokens) validation loss is lowest near 1000
+# steps (~5 epochs) and climbs after; longer runs pay on larger corpora (--steps).
+TRAIN_DEFAULTS = dict(config="small", steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100,
+                      sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None)
+
+
+def check_positive(a, *names):
+    for name in names:
+        v = a[name] if isinstance(a, dict) else getattr(a, name)
+        if v is None or v < 1:
+            raise UserError(f"--{name.replace('_', '-')} {v}: give a whole number of at least 1")
+
+
+def start_run(a, defaults, resume):
+    """The start of a training run, shared by both engines. Fresh: the config named by the flags or
+    defaults['config'], the contract's init. Resumed: the checkpoint in a.out with its optimiser state and
+    its own arguments (flags given now override them; --stop-after applies to this run only; the
+    learning-rate schedule keeps the run's first length). -> (P, tok, tokens, args, state, extra)."""
+    ckpt_path = os.path.join(a.out, "ckpt.npz")
+    given = {k: v for k, v in vars(a).items() if k in defaults and v is not None}
+    if resume:
+        P, tok, state, extra = load_checkpoint(ckpt_path, want_state=True)
+        if state is None:
+            raise UserError(f"{ckpt_path} holds no training state to resume (an SFT checkpoint?)")
+        run = state["train"]
+        name = run.get("config", config_name(P.cfg))
+        if given.get("config", name) != name:
+            raise UserError(f"{ckpt_path} is a run of config {name}, not {given['config']}; resume without a config "
+                            "or start a new run in another --out")
+        args = {**defaults, **run, **given, "stop_after": given.get("stop_after", 0), "config": name}
+        args["schedule_steps"] = run.get("schedule_steps", run["steps"])
+        if args["steps"] <= state["step"]:
+            raise UserError(f"the run in {a.out} is at step {state['step']} of {args['steps']}; raise --steps to "
+                            "go on (the rate stays at its 10% floor past the first schedule)")
+        print(f"resuming {ckpt_path} at step {state['step']}/{args['steps']}"
+              + (f" (schedule of {args['schedule_steps']} steps, then lr {0.1 * args['lr']:.2e})"
+                 if args["steps"] > args["schedule_steps"] else ""))
+    else:
+        if os.path.exists(ckpt_path) and not a.force:
+            raise UserError(f"{ckpt_path} exists: resume it, start over with --force, or pick another --out")
+        args, state, extra = {**defaults, **given}, None, {"kind": "base"}
+        args["schedule_steps"] = args["steps"]
+    check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every")
+    if args["warmup"] < 0 or not args["lr"] > 0:
+        raise UserError("--lr must be positive and --warmup at least 0")
+    cfg = P.cfg if resume else get_config(args["config"])
+    if args["seq"] > cfg.ctx:
+        raise UserError(f"--seq {args['seq']} is longer than the context of {cfg.ctx} of config {args['config']}")
+    if args["data"] and os.path.isdir(args["data"]):
+        raise UserError(f"--data {args['data']} is a folder; give a text file or a .bin token file")
+    tokens, tok_data = prepare_data(args["data"], cfg, args["config"])
+    if resume and tok_data.to_string() != tok.to_string():
+        raise UserError("the data's tokenizer differs from the checkpoint's; resume with the same --data")
+    if not resume:
+        tok, P = tok_data, Params.init(cfg, args["seed"])
+    os.makedirs(a.out, exist_ok=True)
+    print(f"model: {args['config']} {cfg}, {num_params(cfg):,} parameters", flush=True)
+    return P, tok, tokens, args, state, extra
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line: the flags both engines share, each with its help and default
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (raised as UserError) and a near-miss suggestion for a wrong flag."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            parsers = [self] + [sp for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                                for sp in a.choices.values()]
+            flags = [s for p in parsers for a in p._actions for s in a.option_strings]
+            for word in message.split(":", 1)[1].split():
+                near = difflib.get_close_matches(word, flags, 1)
+                if near:
+                    message += f" (did you mean {near[0]}?)"
+                    break
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def add_config_arg(p, default):
+    """The config, by name, as a word or --config (every mode of both engines)."""
+    names = ", ".join(CONFIGS)
+    p.add_argument("config", nargs="?", metavar="CONFIG", help=f"model: {names} (default {default}; CONTRACT.md)")
+    p.add_argument("--config", dest="config_flag", metavar="NAME", help="the same, as a flag")
+
+
+def config_arg(a):
+    """The config named by the word or the flag (None when neither), checked."""
+    if a.config and a.config_flag and a.config != a.config_flag:
+        raise UserError(f"two configs given: {a.config} and --config {a.config_flag}")
+    name = a.config or a.config_flag
+    if name is not None:
+        get_config(name)
+    return name
+
+
+def add_train_flags(p, out, defaults, lr_note=""):
+    """The flags of a training run (both engines); those not given come from defaults or, when resuming,
+    from the checkpoint's run."""
+    d = defaults
+    add_config_arg(p, d["config"])
+    p.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it "
+                                  f"(default: {d['data'] or 'the embedded corpus, no download'})")
+    helps = {"steps": "training steps; on --resume it may be raised: the cosine keeps the run's first length, "
+                      "then the rate stays at its 10%% floor",
+             "batch": "sequences per step", "seq": "tokens per sequence (at most the context)",
+             "lr": "peak learning rate" + lr_note, "warmup": "steps of linear warm-up", "seed": "init and data order",
+             "eval_every": "validate every N steps", "sample_every": "print a sample every N steps (0: never)",
+             "ckpt_every": "checkpoint every N steps", "log_every": "progress line every N steps"}
+    for name, text in helps.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(d[name]), metavar="X" if name == "lr" else "N",
+                       help=f"{text} (default {d[name]})")
+    p.add_argument("--stop-after", dest="stop_after", type=int, metavar="N",
+                   help="stop (and checkpoint) after N steps of this run")
+    p.add_argument("--out", default=out, help=f"folder for ckpt.npz and train_log.jsonl (default {out})")
+    p.add_argument("--force", action="store_true", help="start over even if --out holds a checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+
+
+def add_sample_flags(p, ckpt, temperature):
+    p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
+    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate (default 200; "
+                                                           "generation also stops when the context is full)")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default {temperature})")
+    p.add_argument("--top-k", dest="top_k", type=int, default=40, help="sample from the k likeliest (0: all; default 40)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+
+def add_sft_flags(p, ckpt, out, batch, seq, lr):
+    p.add_argument("--ckpt", default=ckpt, help=f"the base checkpoint or its run folder (default {ckpt})")
+    p.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set, no download)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--batch", type=int, default=batch, help=f"examples per step (default {batch})")
+    p.add_argument("--seq", type=int, default=seq, help=f"longest example in tokens (default {seq})")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument("--seed", type=int, default=0, help="data order (default 0)")
+    p.add_argument("--out", default=out, help=f"folder of the chat checkpoint (default {out})")
+    p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
