@@ -3,7 +3,7 @@ PYTHON ?= python3
 export PIP_ROOT_USER_ACTION := ignore
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: all setup setup-test warm check test train train-big bench data clean
+.PHONY: all setup setup-test warm check test train train-medium bench data clean
 
 all: warm                                  # `make`: install, then compile every Numba kernel into the cache
 
@@ -26,8 +26,8 @@ test: setup-test
 train: setup                               # the small model on the embedded default corpus (no download)
 	$(PYTHON) nanoeuler.py train
 
-train-big: setup
-	$(PYTHON) nanoeuler.py train big
+train-medium: setup                        # the ~10M config on the embedded corpus
+	$(PYTHON) nanoeuler.py train medium
 
 bench: setup
 	$(PYTHON) nanoeuler.py bench

@@ -1852,8 +1852,8 @@ def cmd_bench(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py bench", description="training speed: tokens/s, ms/step, MFU, memory")
     pl.add_config_arg(p, "big")
     p.add_argument("--batches", default="16,64", help="batch sizes, comma-separated (default 16,64)")
-    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per size (median)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default 512, or the context if shorter)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per size, median taken (default 10)")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive-attention runs")
     a = p.parse_args(argv)
     try:
@@ -1861,7 +1861,8 @@ def cmd_bench(argv):
     except ValueError:
         raise UserError(f"--batches wants integers separated by commas, got {a.batches!r}") from None
     a.config = pl.config_arg(a) or "big"
-    cfg, T = pl.get_config(a.config), a.seq
+    cfg = pl.get_config(a.config)
+    T = a.seq or min(512, cfg.ctx)
     if not 1 <= T <= cfg.ctx or min(batches) < 1:
         raise UserError(f"--seq must lie in 1..{cfg.ctx} and every batch size be at least 1")
     gpu()

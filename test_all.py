@@ -9,6 +9,7 @@ import codecs
 import functools
 import http.server
 import json
+import math
 import os
 import random
 import re
@@ -333,6 +334,271 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
     assert r.returncode == 0 and "base model" in r.stdout
 
 
+# ----------------------------------------------------------------------------------------------------
+# user mistakes, names and help (one line each, and the same words in both engines)
+
+PRODUCT = ("nanoeuler.py", "nanoeuler_cuda.py", "pipeline.py", "bpe.py", "gradcheck.py")
+
+
+@pytest.fixture(scope="module")
+def one_step_ckpt(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("one_step")
+    r = _train(out, corpus, "--steps", 1)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_no_sys_exit_below_main():
+    """Library code raises UserError; only main() (or the __main__ guard) ends the process."""
+    import ast
+    for name in PRODUCT:
+        tree = ast.parse((Path(ROOT) / name).read_text())
+        allowed = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "main" or \
+                    isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                allowed |= {id(n) for n in ast.walk(node)}
+        exits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in ("sys.exit", "exit", "die") and id(n) not in allowed]
+        assert not exits, f"{name}: sys.exit outside main() at lines {exits}"
+
+
+def test_gpu_engine_imports_without_numba():
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; import nanoeuler_cuda"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_cpu_engine_without_numba_says_so_in_one_line():
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; sys.argv = ['x', 'bench'];"
+                        "import runpy; runpy.run_path('nanoeuler.py', run_name='__main__')"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert_one_line_error(r, "numba is not installed", "pip install")
+
+
+def test_a_bin_whose_tokenizer_outgrows_the_config_names_one_that_fits(tmp_path, corpus):
+    """make data's 4096-id .bin with the default config (vocab 512) used to end in an IndexError."""
+    text = corpus[0].read_text()[:60_000]
+    tok = bpe.Tokenizer.train(text, 700)
+    tok.save(str(tmp_path / "d.bpe"))
+    np.array(tok.encode(text), "<u2").tofile(tmp_path / "d.bin")
+    r = run_cli("train", "--data", tmp_path / "d.bin", "--out", tmp_path / "o")
+    assert_one_line_error(r, "700 token ids", "small", "medium")
+    r = run_cli("train", "medium", "--data", tmp_path / "d.bin", "--out", tmp_path / "o", "--steps", 1, "--batch", 1,
+                "--seq", 32, "--sample-every", 0)
+    assert r.returncode == 0 and "10,490,112 parameters" in r.stdout, r.stderr
+
+
+def test_every_config_name_in_every_mode(monkeypatch):
+    """One name per config, as a word or --config, in the CPU modes and the GPU modes alike."""
+    p = ne.parser()
+    for name in pl.CONFIGS:
+        for mode in ("train", "resume", "bench"):
+            for args in ([mode, name], [mode, "--config", name]):
+                assert pl.config_arg(p.parse_args(args)) == name
+    with pytest.raises(pl.UserError, match="unknown config 'big_cpu'.*medium"):
+        pl.config_arg(p.parse_args(["train", "big_cpu"]))
+
+    def stop():
+        raise pl.UserError("parsed")
+    monkeypatch.setattr(nc, "gpu", stop)
+    for name in pl.CONFIGS:
+        for mode in ("train", "t", "resume", "tr", "bench"):
+            with pytest.raises(pl.UserError, match="parsed"):
+                nc.MODES[nc.LETTERS.get(mode, mode)]([name] if mode != "bench" else ["--config", name])
+
+
+def _parsers(monkeypatch):
+    """Every argparse parser of both engines' modes, caught as each mode builds it."""
+    class Caught(Exception):
+        pass
+    found = {}
+
+    def catch(self, args=None, namespace=None):
+        found[self.prog] = self
+        raise Caught
+    monkeypatch.setattr(pl.Parser, "parse_args", catch)
+    for mode in nc.MODES:
+        with pytest.raises(Caught):
+            nc.MODES[mode]([])
+    top = ne.parser()
+    found.update({sp.prog: sp for a in top._actions if isinstance(a, pl.argparse._SubParsersAction)
+                  for sp in a.choices.values()})
+    return found
+
+
+def test_every_flag_has_help_with_its_default(monkeypatch):
+    parsers = _parsers(monkeypatch)
+    assert len(parsers) >= 14
+    for prog, p in parsers.items():
+        assert p.description, prog
+        for a in p._actions:
+            if not a.option_strings or a.nargs == 0 or a.dest in ("config_flag", "prompt_flag", "stop_after"):
+                continue                             # switches; the flag form of a word documented beside it
+            assert a.help and "default" in a.help, (prog, a.option_strings)
+
+
+def test_every_cli_answers_help():
+    for script, args in (("nanoeuler.py", []), ("nanoeuler.py", ["train"]), ("nanoeuler_cuda.py", []),
+                         ("nanoeuler_cuda.py", ["train"]), ("nanoeuler_cuda.py", ["t"]), ("bpe.py", []),
+                         ("bpe.py", ["encode"]), ("gradcheck.py", [])):
+        r = subprocess.run([sys.executable, script, *args, "--help"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0 and "usage" in r.stdout.lower() + r.stderr.lower() or "Modes" in r.stdout, \
+            (script, args, r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "nanoeuler_cuda.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
+
+
+def test_usage_mistakes_get_one_line(tmp_path):
+    assert_one_line_error(run_cli("train", "--stpes", 5), "--stpes", "did you mean --steps")
+    assert_one_line_error(run_cli("train", "5"), "unknown config '5'")
+    r = subprocess.run([sys.executable, "bpe.py", "train"], cwd=ROOT, capture_output=True, text=True)
+    assert_one_line_error(r, "required")
+    r = subprocess.run([sys.executable, "gradcheck.py", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert_one_line_error(r, "invalid choice")
+    assert_one_line_error(run_cli("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
+    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
+    assert_one_line_error(run_cli("sample", "--ckpt", Path(ROOT) / "README.md"), "not a NanoEuler checkpoint")
+    assert "allow_pickle" not in run_cli("sample", "--ckpt", Path(ROOT) / "README.md").stderr
+
+
+def test_sampling_flags_are_checked(one_step_ckpt):
+    ck = one_step_ckpt
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--temperature", -1), "--temperature -1")
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--tokens", -5), "--tokens -5")
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--top-k", -2), "--top-k -2")
+    assert_one_line_error(run_cli("chat", "--ckpt", ck, "--temperature", -1, stdin="hi\n"), "--temperature")
+    r = run_cli("sample", "--ckpt", ck, "--tokens", 100000, "--prompt", "The", "--temperature", 0)
+    assert r.returncode == 0 and "the context of 512 tokens is full" in r.stderr, r.stderr   # a run folder works
+
+
+def test_resume_refuses_another_config_and_extends_at_the_floor(tmp_path, corpus):
+    out = tmp_path / "r"
+    assert _train(out, corpus, "--steps", 4, "--warmup", 2, "--lr", 1e-3).returncode == 0
+    assert_one_line_error(run_cli("resume", "big", "--out", out, env_extra=corpus[1]), "config small", "not big")
+    assert_one_line_error(run_cli("train", "--resume", "--out", out, env_extra=corpus[1]), "raise --steps")
+    r = run_cli("resume", "--out", out, "--steps", 7, env_extra=corpus[1])
+    assert r.returncode == 0, r.stderr
+    lrs = [json.loads(l)["lr"] for l in open(out / "train_log.jsonl")]
+    cos = 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # step 3 of a 4-step schedule, warm-up 2
+    assert lrs[:4] == pytest.approx([5e-4, 1e-3, 1e-3, cos], rel=1e-12)
+    assert lrs[4:] == pytest.approx([1e-4] * 3, rel=1e-12)      # no jump: the floor of the first schedule
+
+
+def test_stop_flag_restores_the_previous_handler(tmp_path):
+    import signal
+    cfg = pl.CONFIGS["tiny"]
+    P, tok = pl.Params.init(cfg), bpe.Tokenizer([])
+
+    class Fake:
+        sync_every_step = True
+
+        def step(self, x, y, lr):
+            pass
+
+        def results(self):
+            return [(1.0, [1.0, 1.0, 1.0], 0.5)]
+
+        def host_state(self):
+            return P, pl.Params(cfg), pl.Params(cfg)
+
+    mine = lambda s, f: None
+    old = signal.signal(signal.SIGINT, mine)
+    try:
+        batches = pl.Batches(np.arange(1000, dtype=np.uint16) % 256, 2, 8)
+        args = dict(pl.TRAIN_DEFAULTS, steps=2, schedule_steps=2, log_every=1, ckpt_every=1)
+        pl.train_loop(Fake(), tok, batches, args, str(tmp_path))
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _fake_chat(monkeypatch, capsys, lines, ctx, max_new=4):
+    """Runs the chat loop on piped lines with a model that answers ' ok'; -> (prompts it saw, stdout)."""
+    import io
+    tok = bpe.Tokenizer([])
+    seen = []
+
+    def gen(ids, n):
+        seen.append(list(ids))
+        yield from tok.encode(" ok") + [tok.eot]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(l + "\n" for l in lines)))
+    pl.chat_repl(tok, gen, True, max_new, ctx)
+    return tok, seen, capsys.readouterr().out
+
+
+def test_chat_keeps_the_conversation_and_echoes_piped_questions(monkeypatch, capsys):
+    tok, seen, out = _fake_chat(monkeypatch, capsys, ["first", "second"], ctx=512)
+    assert "> first\n ok\n> second\n ok\n" in out
+    turn1 = tok.encode(pl.format_prompt("first"))
+    assert seen[0] == turn1
+    assert seen[1] == turn1 + tok.encode(" ok") + [tok.eot] + tok.encode(pl.format_prompt("second"))
+    tok, seen, out = _fake_chat(monkeypatch, capsys, ["a", "b", "c", "d"], ctx=300)
+    assert "dropped the 1 oldest turn(s)" in out
+    assert all(len(s) <= 300 - 4 for s in seen) and len(seen) == 4
+    assert tok.decode(seen[-1]).count("### Instruction") == 2
+
+
+def test_chat_edits_lines_in_a_terminal():
+    """In a terminal, input() has readline's line editing: a left arrow moves the cursor."""
+    import pty
+    import select
+    import signal
+    from time import monotonic
+    code = ("import pipeline as pl, bpe; tok = bpe.Tokenizer([]);"
+            "pl.chat_repl(tok, lambda ids, n: print('GOT', repr(tok.decode(ids))) or iter(()), False, 5, 512)")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    out = b""
+
+    def read_until(pattern, limit=30):
+        nonlocal out
+        end = monotonic() + limit
+        while not re.search(pattern, out) and monotonic() < end:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out += os.read(fd, 1024)
+                except OSError:
+                    return
+    try:
+        read_until(rb"> ")
+        os.write(fd, b"abc\x1b[DX\r")
+        read_until(rb"GOT .*\n(.|\n)*> ")
+        os.write(fd, b"\x04")
+        read_until(rb"\$^")                          # reads until the child closes the terminal
+    finally:
+        end = monotonic() + 10
+        while not (done := os.waitpid(pid, os.WNOHANG)[0]) and monotonic() < end:
+            select.select([], [], [], 0.1)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert b"GOT 'abXc'" in out and done, out
+
+
+def test_outputs_are_ignored_by_git():
+    r = subprocess.run(["git", "check-ignore", "out/ckpt.npz", "out_chat/ckpt.npz", "data/pretrain.bpe",
+                        "data/pretrain.bin"], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert len(r.stdout.split()) == 4, r.stdout
+
+
+def test_readme_commands_are_python3():
+    text = (Path(ROOT) / "README.md").read_text()
+    assert not re.findall(r"(?m)^\s*python (?!3)", text)
+    assert "CONTRACT.md" in text
+
+
+def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
+    path = tmp_path / "t.txt"
+    path.write_text(pl.default_corpus()[0][:20_000])
+    pl.prepare_data(str(path), pl.CONFIGS["small"], "small", str(tmp_path / "cache"))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "training a 512-id tokenizer" in first
+
 # ====================================================================================================
 # the GPU engine: nanoeuler_cuda.py. The compile check and the error-message tests need no GPU (the compile
 # check needs libnvrtc, e.g. the nvidia-cuda-nvrtc-cu12 wheel, and skips without it); tests marked gpu skip
@@ -479,6 +745,15 @@ def test_inference_produces_text(tmp_path):
     assert r.stdout.startswith("It was") and len(r.stdout) > len("It was") + 5
     assert "30 tokens" in r.stderr
     assert one_error_line(run_gpu("i", "x", "--ckpt", tmp_path / "missing.npz"))
+    r = run_gpu("sample", "It was", "--ckpt", tmp_path, "--tokens", 2000, "--temperature", 0)   # word mode, run folder
+    assert r.returncode == 0 and "context of 512 tokens is full" in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_out_of_memory_batch_gets_one_line(tmp_path):
+    r = run_gpu("train", "big", "--batch", 100000, "--steps", 1, "--out", tmp_path)
+    assert one_error_line(r) and "out of GPU memory" in r.stderr and "--batch" in r.stderr, r.stdout + r.stderr
 
 
 # ====================================================================================================
