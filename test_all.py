@@ -642,17 +642,24 @@ def test_every_kernel_compiles_with_nvrtc():
 def test_every_kernel_has_a_launcher_and_a_check():
     """Each extern "C" kernel is launched from Python (its name appears outside the CUDA strings)."""
     src = (Path(ROOT) / "nanoeuler_cuda.py").read_text()
-    py = "\n".join(l for l in src.splitlines() if "_k(" in l or "_flash_kernel(" in l)
+    py = re.sub(r'r"""(.|\n)*?"""', "", src)                       # the Python: CUDA strings removed
     for mod, code in nc.SOURCES.items():
         for name in nc.kernel_names(code):
-            base = name.rsplit("_", 1)[0] if name.startswith("flash_fwd_") or name.startswith("flash_bwd_") else name
-            assert f'"{name}"' in py or (base in ("flash_fwd", "flash_bwd")), name
+            m = re.fullmatch(r"(flash(?:_bf16)?)_(fwd|bwd|dq|dkdv)_\d+", name)   # launched as f"flash_..._{hd}"
+            assert f'"{name}"' in py or (m and f'_{m.group(1)}_kernel("{m.group(2)}"' in py), name
 
 
 def test_unknown_mode_and_flag_give_one_line():
     assert one_error_line(run_gpu("zz"))
     assert one_error_line(run_gpu("g", "--no-such-flag"))
     assert one_error_line(run_gpu("t", "--steps", "many"))
+
+
+def test_unknown_precision_gives_one_line():
+    for args in (["t", "--precision", "fp8"], ["s", "--precision", "fp16"], ["g", "--precision", "tf32"],
+                 ["bench", "--precision", "bf16,fp8"]):
+        r = run_gpu(*args)
+        assert one_error_line(r) and "fp" in r.stderr, (args, r.stderr)
 
 
 def test_without_cupy_every_mode_says_so(tmp_path):
@@ -747,6 +754,54 @@ def test_inference_produces_text(tmp_path):
     assert one_error_line(run_gpu("i", "x", "--ckpt", tmp_path / "missing.npz"))
     r = run_gpu("sample", "It was", "--ckpt", tmp_path, "--tokens", 2000, "--temperature", 0)   # word mode, run folder
     assert r.returncode == 0 and "context of 512 tokens is full" in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_gradcheck_passes():
+    r = run_gpu("g", "--precision", "bf16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gradient check: PASS (bf16" in r.stdout
+
+
+def _train_state(path):
+    return json.loads(str(np.load(path / "ckpt.npz")["train_state"]))["train"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_precision_is_recorded_and_resume_is_exact(tmp_path, precision):
+    """--precision goes into the checkpoint's run arguments; resume keeps it and continues bit-exactly."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*SMALL, "--steps", 6, "--precision", precision]
+    assert run_gpu("t", *args, "--out", a).returncode == 0
+    r = run_gpu("t", *args, "--stop-after", 3, "--out", b)
+    assert r.returncode == 0, r.stderr
+    assert _train_state(b)["precision"] == precision
+    r = run_gpu("tr", "--out", b)                               # no --precision: the run's own
+    assert r.returncode == 0, r.stderr
+    assert _train_state(b)["precision"] == precision
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    for k in za.files:
+        if k not in ("train_state", "config", "tokenizer"):
+            assert np.array_equal(za[k], zb[k]), k
+    la = [json.loads(l)["loss"] for l in open(a / "train_log.jsonl")]
+    assert la == [json.loads(l)["loss"] for l in open(b / "train_log.jsonl")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bf16_default_and_unsupported_head_dim(tmp_path):
+    """bf16 is the default; what the bf16 path cannot run (tiny's head dim 8, naive attention) is one error
+    line when asked for, and a tf32 run (with a note) by default."""
+    assert run_gpu("t", *SMALL, "--steps", 1, "--out", tmp_path / "a").returncode == 0
+    assert _train_state(tmp_path / "a")["precision"] == "bf16"
+    r = run_gpu("t", "tiny", "--steps", 1, "--batch", 2, "--seq", 32, "--precision", "bf16", "--out", tmp_path / "b")
+    assert one_error_line(r) and "head dim" in r.stderr, r.stdout + r.stderr
+    r = run_gpu("t", "tiny", "--attn", "naive", "--steps", 1, "--batch", 2, "--seq", 32, "--out", tmp_path / "c")
+    assert r.returncode == 0 and "precision: tf32" in r.stdout, r.stdout + r.stderr
+    assert _train_state(tmp_path / "c")["precision"] == "tf32"
 
 
 @pytest.mark.gpu
