@@ -12,6 +12,7 @@ setup:
 
 setup-test: setup                          # test-only tools; the NVRTC wheel lets CI compile the CUDA kernels
 	$(PIP) pytest hypothesis duckdb nvidia-cuda-nvrtc-cu12
+	$(PIP) "torch==2.13.0+cpu" transformers  # test_export.py loads the exports in transformers (CPU wheel, not CUDA's)
 
 warm: setup
 	$(PYTHON) gradcheck.py all > /dev/null  # float64 kernels
