@@ -22,7 +22,10 @@ check: setup                               # every backward against float64 fini
 	$(PYTHON) gradcheck.py all
 
 test: setup-test
-	$(PYTHON) -m pytest -q test_all.py
+	$(PYTHON) -m pytest -q
+
+mutation: setup-test                       # plant bugs one at a time: which ones do the tests miss?
+	$(PYTHON) mutate.py
 
 train: setup                               # the small model on the embedded default corpus (no download)
 	$(PYTHON) nanoeuler.py train

@@ -1,7 +1,7 @@
 """bpe.py - byte-level BPE tokenizer for NanoEuler, written from scratch.
 
 Ids 0..255 are the raw bytes, then one id per merge in rank order, then the special tokens
-(default "<|endoftext|>"), as SPEC.md requires. Pre-tokenisation is GPT-2's: a word
+(default "<|endoftext|>"), as CONTRACT.md requires. Pre-tokenisation is GPT-2's: a word
 keeps its leading space, and merges never cross piece boundaries.
 
     python bpe.py train FILE --vocab N -o TOKFILE        learn merges from a UTF-8 text file
@@ -36,24 +36,24 @@ CACHE_MAX_PIECES = 1 << 20     # the encode cache is cleared when it grows past 
 
 
 # ----------------------------------------------------------------------------------------------
-# Bytes <-> text. Python strings may hold lone surrogates, which strict UTF-8 cannot encode; we
-# encode them with "surrogatepass" and decode with a handler that gives them back but replaces
-# every other invalid sequence with U+FFFD. So decode(encode(s)) == s for every str, and decoding
-# never raises. (A decoded string holds a surrogate only when the ids spell an encoded surrogate.)
+# Bytes <-> text. Decoding replaces every invalid UTF-8 sequence with U+FFFD (errors="replace"), so
+# decoded text is always valid Unicode that prints and encodes as UTF-8, and decoding never raises.
+# A Python str may hold lone surrogates, which are not text and have no UTF-8 form: encoding turns
+# each into U+FFFD. So decode(encode(s)) == s for every valid string, and a lone surrogate comes
+# back as U+FFFD. (Passing surrogates through made decode return unprintable strings.)
 
-def _surrogatepass_else_replace(err):
-    try:
-        return codecs.lookup_error("surrogatepass")(err)
-    except UnicodeDecodeError:
-        return codecs.replace_errors(err)
+def _surrogate_to_replacement(err):
+    if isinstance(err, UnicodeEncodeError):
+        return "\ufffd".encode() * (err.end - err.start), err.end    # bytes: the UTF-8 codec takes only ASCII str
+    raise err
 
 
-codecs.register_error("nanoeuler-bpe", _surrogatepass_else_replace)
+codecs.register_error("nanoeuler-bpe", _surrogate_to_replacement)
 
 
 def _piece_chunks(piece):
     """The UTF-8 bytes of one pre-token piece, cut into chunks of at most MAX_PIECE_BYTES."""
-    data = piece.encode("utf-8", "surrogatepass")
+    data = piece.encode("utf-8", "nanoeuler-bpe")
     return [data[i:i + MAX_PIECE_BYTES] for i in range(0, len(data), MAX_PIECE_BYTES)]
 
 
@@ -238,7 +238,7 @@ class Tokenizer:
         return b"".join([self.token_bytes.get(i, b"\xef\xbf\xbd") for i in ids])
 
     def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", "nanoeuler-bpe")
+        return self.decode_bytes(ids).decode("utf-8", "replace")
 
     # -- serialisation ---------------------------------------------------------------------------
     # Line 1: the format header; line 2: JSON {"vocab_size", "specials"}; then one merge per line,

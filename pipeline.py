@@ -355,7 +355,7 @@ class Batches:
         self.rng = np.random.default_rng(seed)
 
     def next(self):
-        starts = self.rng.integers(0, len(self.tokens) - self.T - 1, self.B)
+        starts = self.rng.integers(0, len(self.tokens) - self.T, self.B)   # the last start, n-T-1, included
         w = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts]).astype(np.int32)
         return w[:, :-1], w[:, 1:]
 
@@ -611,6 +611,8 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
     if not a.lr > 0:
         raise UserError(f"--lr {a.lr}: give a positive learning rate")
     examples = load_sft_data(a.data)
+    if len(examples) < 2:                            # else the one example validates and none is left to train
+        raise UserError(f"SFT data {a.data} holds 1 example; give at least 2 (1 in 20 validates, the rest train)")
     print(f"SFT data: {a.data or 'built-in instruction set (no download)'}, {len(examples)} examples")
     order = np.random.default_rng(a.seed).permutation(len(examples))
     n_val = max(1, len(examples) // 20)

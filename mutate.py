@@ -1,0 +1,235 @@
+"""
+mutate.py -- plants one bug at a time in the engine and reports whether the tests catch it (issue 11).
+
+Each mutant is an exact source replacement (or a few) in pipeline.py, nanoeuler.py or bpe.py, each a bug
+outside the gradients (gradcheck.py catches those): optimiser details, the schedule's shape, the MTP
+objective, batches and splits, SFT padding and masks, the chat template, sampling, the model's constants,
+checkpoints. For each mutant the repository's .py files are copied to a temporary folder with the Numba cache
+of an unmutated run (so that only a mutated nanoeuler.py recompiles), the replacement is applied (it must
+match exactly as often as stated), and `pytest -x` runs the tests there: caught if they fail, survived if
+they pass.
+
+    python3 mutate.py                 every mutant, 2 at a time; a table and the catch rate (`make mutation`)
+    python3 mutate.py -k adam         the mutants whose name holds 'adam'
+    python3 mutate.py --list          the mutants, without running them
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# (name, file, [(old, new, times)]): old must occur exactly `times` times in the file
+MUTANTS = [
+    # optimiser
+    ("adamw beta2 0.999", "nanoeuler.py", [("beta2=0.95,", "beta2=0.999,", 1)]),
+    ("adamw eps inside the sqrt", "nanoeuler.py",
+     [("(np.sqrt(v[i]) * inv_sqrt_bc2 + eps_)", "np.sqrt(v[i] * inv_sqrt_bc2 * inv_sqrt_bc2 + eps_)", 1)]),
+    ("adamw no first-moment bias correction", "nanoeuler.py", [("lr / (1.0 - beta1 ** step),", "lr,", 1)]),
+    ("adamw second-moment correction not rooted", "nanoeuler.py",
+     [("1.0 / math.sqrt(1.0 - beta2 ** step)", "1.0 / (1.0 - beta2 ** step)", 1)]),
+    ("adamw weight decay 0.01", "nanoeuler.py", [("weight_decay=0.1,", "weight_decay=0.01,", 1)]),
+    ("decay on norm weights", "pipeline.py", [("view[:] = 0.0 if view.ndim == 1 else 1.0", "view[:] = 1.0", 1)]),
+    ("clip also scales small gradients up", "nanoeuler.py",
+     [("scale = min(1.0, self.clip / (norm + 1e-6))", "scale = self.clip / (norm + 1e-6)", 1)]),
+    ("clip at 2.0", "nanoeuler.py", [("clip=1.0):", "clip=2.0):", 1)]),
+    ("resumed trainer restarts the step count", "nanoeuler.py",
+     [('self.opt.step_count = state["step"]', "self.opt.step_count = 0", 1)]),
+    # schedule
+    ("schedule linear, not cosine", "pipeline.py",
+     [("0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))", "0.9 * (1.0 - progress)", 1)]),
+    ("schedule decays to 0, not 10%", "pipeline.py", [("(0.1 + 0.9 * 0.5 *", "(0.0 + 1.0 * 0.5 *", 1)]),
+    ("warm-up one step late", "pipeline.py", [("peak_lr * (step + 1) / warmup", "peak_lr * step / warmup", 1)]),
+    ("cosine over the warm-up too", "pipeline.py",
+     [("(step - warmup) / max(1, schedule_steps - warmup)", "step / max(1, schedule_steps)", 1)]),
+    ("train loop uses the next step's rate", "pipeline.py",
+     [('lr = lr_at(step, schedule, args["lr"]', 'lr = lr_at(step + 1, schedule, args["lr"]', 1)]),
+    # MTP objective
+    ("mtp targets shifted the wrong way", "pipeline.py",
+     [("out[k, :, :T - k] = targets[:, k:]", "out[k, :, k:] = targets[:, :T - k]", 1)]),
+    ("mtp mean counts masked targets", "pipeline.py", [("(targets[:, k:] >= 0).sum()", "(targets[:, k:] >= -1).sum()", 1)]),
+    ("mtp mean over all T positions", "pipeline.py", [("(targets[:, k:] >= 0).sum()", "(targets >= 0).sum()", 1)]),
+    ("mtp heads summed, not averaged", "pipeline.py",
+     [("mtp_weight * float(np.mean(ces[1:]))", "mtp_weight * float(np.sum(ces[1:]))", 1)]),
+    ("mtp weight 0.5", "pipeline.py", [("mtp_weight: float = 0.3", "mtp_weight: float = 0.5", 1)]),
+    # data and SFT
+    ("batch targets are the previous token", "pipeline.py",
+     [("return w[:, :-1], w[:, 1:]", "return w[:, 1:], w[:, :-1]", 1)]),
+    ("validation split overlaps training", "pipeline.py",
+     [('else tokens[len(tokens) - n_val:]', "else tokens[:n_val]", 1)]),
+    ("validation reads the training split", "pipeline.py",
+     [('val = Batches(tokens, B, T, seed=1234, split="val")', 'val = Batches(tokens, B, T, seed=1234, split="train")', 1)]),
+    ("data position not restored", "pipeline.py",
+     [("    def set_state(self, state):\n        self.rng.bit_generator.state = state\n\n\ndef bytes_per_token",
+       "    def set_state(self, state):\n        pass\n\n\ndef bytes_per_token", 1)]),
+    ("sft padding targets are eot", "pipeline.py",
+     [("y = np.full((B, T), -1, np.int32)", "y = np.full((B, T), self.eot, np.int32)", 1)]),
+    ("sft padding with id 0", "pipeline.py", [("x = np.full((B, T), self.eot, np.int32)", "x = np.full((B, T), 0, np.int32)", 1)]),
+    ("sft last prompt position trained", "pipeline.py",
+     [("targets[:len(prompt) - 1] = -1                                  # positions",
+       "targets[:len(prompt) - 2] = -1                                  # positions", 1)]),
+    ("chat template loses a newline", "pipeline.py",
+     [("{instruction}\\n\\n### Response:\\n\")", "{instruction}\\n### Response:\\n\")", 1)]),
+    ("chat does not stop at <|endoftext|>", "pipeline.py",
+     [("if t == tok.eot:\n                    break", "if t == tok.eot:\n                    pass", 1)]),
+    ("token id == vocab accepted", "pipeline.py", [("if top >= vocab:", "if top > vocab:", 1)]),
+    ("bits per byte over characters", "pipeline.py",
+     [("len(tok.decode_bytes(sample.tolist())) / len(sample)", "len(tok.decode(sample.tolist())) / len(sample)", 1)]),
+    ("bits per byte in nats", "pipeline.py",
+     [("loss, loss / math.log(2) / bytes_per_token", "loss, loss / bytes_per_token", 1)]),
+    ("sft keeps one token too few", "pipeline.py", [("seq = seq[:T + 1]", "seq = seq[:T]", 1)]),
+    ("chat turn cut short not closed", "pipeline.py",
+     [("answer.append(tok.eot)                   # each turn", "pass                   # each turn", 1)]),
+    ("a NaN step still updates", "nanoeuler.py",
+     [("if math.isfinite(objective):                     # a NaN step changes nothing",
+       "if True:                     # a NaN step changes nothing", 1)]),
+    # sampling and generation
+    ("temperature multiplies the logits", "pipeline.py", [("z /= self.temperature", "z *= self.temperature", 1)]),
+    ("top-k keeps k+1", "pipeline.py",
+     [("np.partition(z, -self.top_k)[-self.top_k]", "np.partition(z, -self.top_k)[-self.top_k - 1]", 1)]),
+    ("temperature 0 not greedy", "pipeline.py", [("if self.temperature <= 0:", "if self.temperature < 0:", 2)]),
+    ("the last id is never drawn", "pipeline.py", [("rng.random() * cdf[-1]", "rng.random() * cdf[-2]", 1)]),
+    ("generation ignores top-k", "nanoeuler.py",
+     [("sampling = sampling or pl.Sampling(temperature, top_k)", "sampling = sampling or pl.Sampling(temperature, 0)", 1)]),
+    ("generation ignores the caller's rng", "nanoeuler.py",
+     [("rng = rng if rng is not None else np.random.default_rng(0)", "rng = np.random.default_rng(0)", 1)]),
+    ("generation ignores the temperature", "nanoeuler.py",
+     [("sampling = sampling or pl.Sampling(temperature, top_k)", "sampling = sampling or pl.Sampling(1.0, top_k)", 1)]),
+    ("streamed samples decoded strictly", "pipeline.py",
+     [('    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")\n    sys.stdout.write(prefix)',
+       '    decoder = codecs.getincrementaldecoder("utf-8")()\n    sys.stdout.write(prefix)', 1)]),
+    ("generation runs past the context", "nanoeuler.py", [("if len(ids) >= P.cfg.ctx:", "if len(ids) > P.cfg.ctx:", 1)]),
+    ("sampling forward reads head 1", "nanoeuler.py", [('logits = _mm_t(hf, P["heads.0"]).reshape(n, Tn, cfg.vocab)',
+                                                         'logits = _mm_t(hf, P["heads.1"]).reshape(n, Tn, cfg.vocab)', 1)]),
+    ("sampling cache hides the token itself", "nanoeuler.py",
+     [("np.triu(np.ones((Tn, Tn), bool), 1)", "np.triu(np.ones((Tn, Tn), bool), 0)", 1)]),
+    # model constants (forward and backward changed alike, so gradcheck passes)
+    ("rmsnorm eps 1e-6", "nanoeuler.py", [("np.sqrt(ss / D + 1e-5)", "np.sqrt(ss / D + 1e-6)", 1)]),
+    ("rope theta 500000", "pipeline.py", [("freqs = 10000.0 ** (", "freqs = 500000.0 ** (", 1)]),
+    ("rope frequencies i/hd", "pipeline.py", [("-np.arange(0, hd // 2) * 2.0 / hd", "-np.arange(0, hd // 2) * 1.0 / hd", 1)]),
+    ("rope turns the other way", "nanoeuler.py", [("u[n, h, i] = a * c - b * s", "u[n, h, i] = a * c + b * s", 1),
+                                                  ("u[n, h, i + half] = b * c + a * s", "u[n, h, i + half] = b * c - a * s", 1)]),
+    ("attention scale 1/hd", "nanoeuler.py", [("qg.dtype.type(1.0 / math.sqrt(hd))", "qg.dtype.type(1.0 / hd)", 2),
+                                              ("swapaxes(-1, -2)) / math.sqrt(hd)", "swapaxes(-1, -2)) / hd", 1)]),
+    ("init wo and w2 at 0.02/sqrt(L)", "pipeline.py",
+     [("0.02 / math.sqrt(2 * cfg.n_layers)", "0.02 / math.sqrt(cfg.n_layers)", 1)]),
+    ("init matrices at 0.01", "pipeline.py",
+     [('name.endswith((".wo", ".w2")) else 0.02', 'name.endswith((".wo", ".w2")) else 0.01', 1)]),
+    # checkpoints
+    ("checkpoint written in place", "pipeline.py", [('with open(tmp, "wb") as f:', 'with open(path, "wb") as f:', 1),
+                                                    ("os.replace(tmp, path)", "pass", 1)]),
+    ("failed write leaves its temporary file", "pipeline.py",
+     [("if os.path.exists(tmp):                      # a failed", "if False:                      # a failed", 1)]),
+    ("checkpoint not flushed to disk", "pipeline.py", [("os.fsync(f.fileno())", "pass", 1)]),
+    ("checkpoint saves adam_m as adam_v", "pipeline.py",
+     [('arrays[f"adam_v.{name}"] = np.asarray(state["adam_v"][name]',
+       'arrays[f"adam_v.{name}"] = np.asarray(state["adam_m"][name]', 1)]),
+    ("checkpoint step one short", "pipeline.py",
+     [('arrays["step"] = np.array(state["step"], np.int64)',
+       'arrays["step"] = np.array(state["step"] - 1, np.int64)', 1)]),
+    ("NaN weights accepted", "pipeline.py", [("if not np.isfinite(P.flat).all():", "if False:", 1)]),
+    # tokenizer
+    ("decode passes bad bytes as surrogates", "bpe.py",
+     [('.decode("utf-8", "replace")', '.decode("utf-8", "surrogateescape")', 1)]),
+]
+
+
+def copy_tree(src, dst):
+    """The .py files, pytest.ini and the Numba cache, with their times (the cache is keyed by them)."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if name.endswith(".py") or name == "pytest.ini":
+            shutil.copy2(os.path.join(src, name), dst)
+    if os.path.isdir(os.path.join(src, "__pycache__")):
+        shutil.copytree(os.path.join(src, "__pycache__"), os.path.join(dst, "__pycache__"), copy_function=shutil.copy2)
+
+
+def mutated(folder, file, replacements):
+    """The text of folder/file with the replacements made; exits if one does not match as often as stated
+    (the engine changed under the mutant: update it)."""
+    with open(os.path.join(folder, file)) as f:
+        src = f.read()
+    for old, new, times in replacements:
+        found = src.count(old)
+        if found != times:
+            raise SystemExit(f"error: mutant does not apply: {old!r} occurs {found} times in {file}, not {times}")
+        src = src.replace(old, new)
+    return src
+
+
+def run_tests(folder, tests, threads, timeout):
+    """-> (passed, first failing test or reason, seconds)."""
+    env = dict(os.environ, NANOEULER_THREADS=str(threads))
+    env.pop("NANOEULER_CACHE", None)
+    t0 = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=folder,
+                           capture_output=True, text=True, errors="replace", timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return False, f"timeout after {timeout} s", time.time() - t0
+    failed = re.findall(r"^(?:FAILED|ERROR) \S+?::(\S+)", r.stdout, re.M)
+    return r.returncode == 0, (failed[0] if failed else f"pytest exit {r.returncode}"), time.time() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("-k", default="", help="only the mutants whose name holds this (default: all)")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    p.add_argument("--tests", nargs="+", default=["test_reference.py", "-k", "not torch"],   # (torch: the reference's own)
+                   help="pytest arguments (default: test_reference.py -k 'not torch')")
+    p.add_argument("--timeout", type=int, default=300, help="seconds one mutant's tests may take (default 300)")
+    a = p.parse_args()
+    mutants = [m for m in MUTANTS if a.k in m[0]]
+    if not mutants:
+        p.error(f"no mutant's name holds {a.k!r} (see --list)")
+    for name, file, repl in mutants:                  # a stale mutant stops the run before any test
+        mutated(ROOT, file, repl)
+    if a.list:
+        for name, file, _ in mutants:
+            print(f"{file:13} {name}")
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
+        base = os.path.join(tmp, "base")              # an unmutated run: the tests must pass, the cache warms
+        copy_tree(ROOT, base)
+        ok, why, secs = run_tests(base, a.tests, cores, a.timeout)
+        if not ok:
+            print(f"error: the tests fail without any mutant ({why}); fix that first", file=sys.stderr)
+            return 1
+        print(f"unmutated: the tests pass ({secs:.0f} s); {len(mutants)} mutants, {a.jobs} at a time", flush=True)
+
+        def run(i):
+            name, file, repl = mutants[i]
+            folder = os.path.join(tmp, f"m{i}")
+            copy_tree(base, folder)
+            src = mutated(folder, file, repl)
+            with open(os.path.join(folder, file), "w") as f:
+                f.write(src)
+            passed, why, secs = run_tests(folder, a.tests, max(1, cores // a.jobs), a.timeout)
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"  {'SURVIVED' if passed else 'caught  '} {name} ({secs:.0f} s)", flush=True)
+            return name, file, passed, why, secs
+        with ThreadPoolExecutor(a.jobs) as pool:
+            results = list(pool.map(run, range(len(mutants))))
+    caught = sum(not passed for _, _, passed, _, _ in results)
+    width = max(len(r[0]) for r in results)
+    print(f"\n| {'mutant':{width}} | file         | result   | caught by |")
+    print(f"|{'-' * (width + 2)}|--------------|----------|-----------|")
+    for name, file, passed, why, secs in results:
+        print(f"| {name:{width}} | {file:12} | {'SURVIVED' if passed else 'caught':8} | {'' if passed else why} |")
+    print(f"\ncaught {caught} of {len(results)} ({100 * caught / len(results):.0f}%)")
+    for name, _, passed, _, _ in results:
+        if passed:
+            print(f"survived: {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
