@@ -37,13 +37,15 @@ bench: setup
 	$(PYTHON) nanoeuler.py bench
 
 # corpora -> data/pretrain.txt (books + web) -> the 4096 tokenizer and the uint16 token file
-data: data/pretrain.bin data/alpaca.json
+data: data/pretrain.bin data/alpaca.json data/prefs.jsonl
 data/gutenberg.txt:
 	bash data/get_gutenberg.sh
 data/web.txt:
 	bash data/get_web.sh 100
 data/alpaca.json:
 	bash data/get_alpaca.sh
+data/prefs.jsonl:
+	bash data/get_prefs.sh
 data/pretrain.txt: data/gutenberg.txt data/web.txt
 	cat data/gutenberg.txt data/web.txt > data/pretrain.txt.tmp && mv data/pretrain.txt.tmp data/pretrain.txt
 data/pretrain.bpe: data/pretrain.txt

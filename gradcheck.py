@@ -3,7 +3,8 @@ gradcheck.py -- every hand-written backward of nanoeuler.py against central fini
 
     python gradcheck.py          # the whole model: every parameter tensor and the path into the embeddings
     python gradcheck.py ops      # each op alone, so that a failure names the op
-    python gradcheck.py all      # both (make check)
+    python gradcheck.py dpo      # the DPO loss (CONTRACT.md) through the whole model
+    python gradcheck.py all      # all three (make check)
 
 Relative error of one entry: |analytic - numeric| / max(|analytic|, |numeric|, 1e-6); a tensor's error is
 the largest over its checked entries (all of them for small tensors, a random sample for large ones).
@@ -52,6 +53,23 @@ def pick(size, rng, n=SAMPLES):
 def check_model(cfg=None, B=2, T=16, seed=0):
     """-> [(tensor name, max rel err)] for every parameter tensor, plus 'tok_emb (unused rows)' which must
     get an exactly zero gradient."""
+    P, idx, targets, rng = _model_case(cfg, B, T, seed)
+    _, _, G = ne.loss_and_grads(P, idx, targets)
+    return check_tensors(P, G, lambda: ne.forward_loss(P, idx, targets)[0], idx, rng)
+
+
+def check_dpo(cfg=None, B=2, T=16, seed=0, beta=0.5, samples=SAMPLES):
+    """The DPO loss of B pairs through the whole model: ne.dpo_loss_and_grads against central differences of
+    pl.dpo_loss over ne.seq_logps; -> [(tensor name, max rel err)] as check_model."""
+    P, idx, targets, rng = _model_case(cfg, 2 * B, T, seed)        # rows [:B] chosen answers, [B:] rejected
+    targets[:, :4] = -1                                            # the prompt
+    ref = ne.seq_logps(P, idx, targets) + rng.normal(0.0, 3.0, 2 * B)   # pairs away from z = 0, each its own sigmoid
+    _, G = ne.dpo_loss_and_grads(P, idx, targets, ref, beta)
+    return check_tensors(P, G, lambda: pl.dpo_loss(ne.seq_logps(P, idx, targets), ref, beta)[0], idx, rng, samples)
+
+
+def _model_case(cfg, B, T, seed):
+    """A float64 model of cfg (default tiny) with random ids and targets, some targets masked (-1)."""
     cfg = cfg or pl.CONFIGS["tiny"]
     rng = np.random.default_rng(seed)
     P = pl.Params.init(cfg, seed, np.float64)
@@ -62,17 +80,22 @@ def check_model(cfg=None, B=2, T=16, seed=0):
     targets = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
     targets[0, :3] = -1                            # masked positions, as SFT prompts and padding
     targets[1, T // 2] = -1
-    _, _, G = ne.loss_and_grads(P, idx, targets)
-    f = lambda: ne.forward_loss(P, idx, targets)[0]
+    return P, idx, targets, rng
+
+
+def check_tensors(P, G, f, idx, rng, samples=SAMPLES):
+    """The gradient G of the scalar f() against central differences, tensor by tensor (see check_model), at
+    `samples` entries of each large tensor."""
+    cfg = P.cfg
     results = []
     for name, view in P.items():
         if name == "tok_emb":                      # the path into the embeddings: rows of tokens in idx
             used = np.unique(idx)
-            entries = (used[rng.integers(0, len(used), SAMPLES)] * cfg.dim + rng.integers(0, cfg.dim, SAMPLES))
+            entries = (used[rng.integers(0, len(used), samples)] * cfg.dim + rng.integers(0, cfg.dim, samples))
             unused = np.setdiff1d(np.arange(cfg.vocab), used)
             results.append(("tok_emb (unused rows)", float(np.abs(G[name][unused]).max())))
         else:
-            entries = pick(view.size, rng)
+            entries = pick(view.size, rng, samples)
         results.append((name, rel_err(G[name].reshape(-1)[entries], numeric_grad(f, view, entries))))
     return results
 
@@ -167,8 +190,9 @@ class _Parser(argparse.ArgumentParser):
 def main(argv):
     p = _Parser(prog="gradcheck.py", description=__doc__.strip().split("\n\n", 1)[1],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="model", choices=("model", "ops", "all"),
-                   help="model: the whole model (default); ops: each op alone; all: both (make check)")
+    p.add_argument("mode", nargs="?", default="model", choices=("model", "ops", "dpo", "all"),
+                   help="model: the whole model (default); ops: each op alone; dpo: the DPO loss through the whole "
+                        "model; all: the three (make check)")
     try:
         mode = p.parse_args(argv).mode
     except ValueError as e:
@@ -181,6 +205,8 @@ def main(argv):
     if mode in ("model", "all"):
         cfg = pl.CONFIGS["tiny"]
         worst = max(worst, report(f"whole model (float64), {cfg}", check_model(cfg)), key=lambda r: r[1])
+    if mode in ("dpo", "all"):
+        worst = max(worst, report("DPO loss, whole model (float64), beta 0.5", check_dpo()), key=lambda r: r[1])
     if worst[1] >= TOL:
         print(f">>> backward FAIL: {worst[0]} max rel err {worst[1]:.2e} (>= {TOL:g})")
         return 1

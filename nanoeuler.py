@@ -370,6 +370,29 @@ def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True, counts=None):
     return mtp_objective(ces, mtp_weight), ces
 
 
+# --- DPO: a sequence's log-prob under head 0, summed over its counted targets (CONTRACT.md "DPO") ---
+
+def seq_logp_forward(logits, targets, V):
+    """logits (N, n_mtp*V), head 0 in [:, :V]; targets (B, T), N = B*T, -1 not counted.
+    -> (logp (B,) float64, the sum over t of log softmax(logits_t)[targets_t]; lse (N,) for the backward)."""
+    z = logits[:, :V]
+    m = z.max(1)
+    lse = m + np.log(np.exp(z - m[:, None]).sum(1, dtype=np.float64))           # log-sum-exp, (N,) float64
+    t = targets.reshape(-1)
+    logp = np.where(t >= 0, z[np.arange(len(t)), np.maximum(t, 0)] - lse, 0.0)   # (N,)
+    return logp.reshape(targets.shape).sum(1), lse
+
+
+def seq_logp_backward(logits, targets, lse, dlogp, V):
+    """In place, logits (N, n_mtp*V) -> d loss / d logits, from dlogp (B,) = d loss / d logp of each sequence:
+    dlogp_b * (onehot(y_t) - softmax(logits_t)) on head 0 where y_t counts; 0 on the other heads and elsewhere."""
+    t = targets.reshape(-1)
+    g = np.where(t >= 0, np.repeat(dlogp, targets.shape[1]), 0.0).astype(logits.dtype)   # (N,)
+    logits[:, :V] = -g[:, None] * np.exp(logits[:, :V] - lse[:, None].astype(logits.dtype))
+    logits[:, V:] = 0.0
+    n = np.flatnonzero(t >= 0)
+    logits[n, t[n]] += g[n]
+
 
 # ----------------------------------------------------------------------------------------------------
 # model: forward saves what backward needs; backward writes the gradients into a Params of the same layout
@@ -488,14 +511,18 @@ def loss_and_grads(P, idx, targets, grads=None):
         return ces
 
     shard_ces = per_part(shard, len(idx))
+    _sum_shards(grads, len(shard_ces))
+    return (*_batch_losses(P.cfg, shard_ces), grads[0])
 
-    def add_shards(i, part):
-        for G in grads[1:len(shard_ces)]:
+
+def _sum_shards(grads, k):
+    """grads[0] += grads[1..k-1], in shard order, each thread adding up its part of the buffer."""
+    def add(i, part):
+        for G in grads[1:k]:
             grads[0].flat[part] += G.flat[part]
 
-    if len(shard_ces) > 1:
-        per_part(add_shards, grads[0].flat.size)
-    return (*_batch_losses(P.cfg, shard_ces), grads[0])
+    if k > 1:
+        per_part(add, grads[0].flat.size)
 
 
 def forward_loss(P, idx, targets):
@@ -503,6 +530,40 @@ def forward_loss(P, idx, targets):
     counts, _ = mtp_scales(targets, P.cfg.n_mtp, P.cfg.mtp_weight)
     shard_ces = per_part(lambda i, rows: forward(P, idx[rows], targets[rows], counts=counts)[1], len(idx))
     return _batch_losses(P.cfg, shard_ces)
+
+
+def seq_logp_acts(P, idx, targets):
+    """idx, targets (B, T) -> (logp (B,) of each sequence under head 0, acts for backward, with the logits' lse).
+    Targets all -1 make forward skip its cross-entropy, so acts["dlogits"] keeps the raw logits."""
+    acts = forward(P, idx, np.full_like(targets, -1))[2]
+    logp, acts["lse"] = seq_logp_forward(acts["dlogits"], targets, P.cfg.vocab)
+    return logp, acts
+
+
+def seq_logps(P, idx, targets):
+    """(B,) float64 sequence log-probs of one batch, no gradient (DPO's reference and evaluation)."""
+    return np.concatenate(per_part(lambda i, rows: seq_logp_acts(P, idx[rows], targets[rows])[0], len(idx)))
+
+
+def dpo_loss_and_grads(P, idx, targets, ref, beta, grads=None):
+    """(DPO loss, gradient) of a batch of pairs: idx, targets (2B, T), the chosen answers in rows [:B] and the
+    rejected in [B:]; ref (2B,) their reference log-probs. A pair's two rows may lie in different shards, so
+    each shard keeps its forward until pl.dpo_loss has given every row's d loss / d logp; then its backward.
+    grads as in loss_and_grads."""
+    grads = [] if grads is None else grads
+    grads += [Params(P.cfg, P.flat.dtype) for _ in range(min(len(idx), n_threads()) - len(grads))]
+    shards = per_part(lambda i, rows: seq_logp_acts(P, idx[rows], targets[rows]), len(idx))
+    loss, dlogp = pl.dpo_loss(np.concatenate([logp for logp, _ in shards]), ref, beta)
+
+    def shard(i, rows):
+        acts = shards[i][1]
+        seq_logp_backward(acts["dlogits"], targets[rows], acts["lse"], dlogp[rows], P.cfg.vocab)
+        backward(P, acts, grads[i])
+
+    if math.isfinite(loss):                          # a NaN step is dropped whole (DPOTrainer.step)
+        per_part(shard, len(idx))
+        _sum_shards(grads, len(shards))
+    return loss, grads[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,67 +618,162 @@ class AdamW:
 
 
 # ----------------------------------------------------------------------------------------------------
-# sampling: head 0 only, with a KV cache of rotated keys and values per layer
+# sampling: head 0 with a KV cache of rotated keys and values per layer, for a batch of streams; the
+# MTP heads draft tokens that head 0 verifies in one forward (self-speculative decoding, CONTRACT.md)
 
 class KVCache:
-    def __init__(self, cfg, dtype=np.float32):
-        shape = (cfg.n_layers, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
+    def __init__(self, cfg, n=1, dtype=np.float32):
+        shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
         self.k, self.v, self.len = np.zeros(shape, dtype), np.zeros(shape, dtype), 0
         self.cos, self.sin = rope_tables(cfg.ctx, cfg.head_dim, dtype)
 
 
-def forward_cached(P, ids, cache):
-    """Runs tokens ids (Tn,) at positions cache.len.. through the model, appending their keys and values
-    to the cache; returns head-0 logits (Tn, V). The same layer ops as training, attention over the cache."""
+def _mm_t(h, W):
+    """h @ W.T for the few rows of a decode step: one matrix-vector product per row. With one-thread
+    OpenBLAS, sgemm with 3 rows took 8x the time of 1 row (it packs all of W); 3 gemv calls take 2x."""
+    return np.stack([W @ r for r in h]) if len(h) <= 4 else h @ W.T
+
+
+def forward_cached(P, ids, cache, all_heads=False):
+    """Runs ids (Tn,) or (n, Tn) at positions cache.len.. through the model, appending their keys and
+    values to the cache (a smaller cache.len drops what follows it); -> head-0 logits (Tn, V) or (n, Tn, V),
+    or with all_heads every head's, (..., n_mtp, V). The same layer ops as training, attention over the cache."""
     cfg = P.cfg
+    ids = np.asarray(ids, np.int32)
+    single = ids.ndim == 1
+    ids = ids.reshape(-1, ids.shape[-1])
+    n, Tn = ids.shape
     hd, Cq, Ck = _dims(cfg)
     Hq, Hkv, G = cfg.n_heads, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
-    Tn, start = len(ids), cache.len
+    start = cache.len
     end = start + Tn
-    assert end <= cfg.ctx
+    assert end <= cfg.ctx and n == cache.k.shape[1]
     cos, sin = cache.cos, cache.sin
-    pos = np.arange(start, end, dtype=np.int32)
-    # query row (g, t) sees keys 0..start+t
-    mask = np.arange(end)[None, :] > (start + np.arange(Tn))[:, None]          # (Tn, end)
-    x = embedding_forward(P["tok_emb"], np.asarray(ids, np.int32))
+    pos = np.tile(np.arange(start, end, dtype=np.int32), n)
+    future = np.tile(np.triu(np.ones((Tn, Tn), bool), 1), (G, 1)) if Tn > 1 else None  # (G*Tn, Tn): t sees ..start+t
+    x = embedding_forward(P["tok_emb"], ids.reshape(-1))                         # (n*Tn, D)
     for i in range(cfg.n_layers):
         L = f"layers.{i}."
         h, _ = rmsnorm_forward(x, P[L + "attn_norm"])
-        qkv = h @ P.rows(L + "wq", L + "wv").T
-        q = rope_forward(qkv[:, :Cq].reshape(Tn, Hq, hd), pos, cos, sin)
-        cache.k[i, :, start:end] = rope_forward(qkv[:, Cq:Cq + Ck].reshape(Tn, Hkv, hd), pos, cos, sin).transpose(1, 0, 2)
-        cache.v[i, :, start:end] = qkv[:, Cq + Ck:].reshape(Tn, Hkv, hd).transpose(1, 0, 2)
-        qg = q.reshape(Tn, Hkv, G, hd).transpose(1, 2, 0, 3)                     # (Hkv, G, Tn, hd)
-        s = np.matmul(qg, cache.k[i, :, None, :end].transpose(0, 1, 3, 2)) / math.sqrt(hd)
-        s[..., mask] = -np.inf
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        a = np.matmul(p, cache.v[i, :, None, :end])                             # (Hkv, G, Tn, hd)
-        x = x + a.transpose(2, 0, 1, 3).reshape(Tn, Cq) @ P[L + "wo"].T
+        qkv = _mm_t(h, P.rows(L + "wq", L + "wv"))
+        q = rope_forward(qkv[:, :Cq].reshape(n * Tn, Hq, hd), pos, cos, sin)
+        k = rope_forward(qkv[:, Cq:Cq + Ck].reshape(n * Tn, Hkv, hd), pos, cos, sin)
+        cache.k[i, :, :, start:end] = k.reshape(n, Tn, Hkv, hd).transpose(0, 2, 1, 3)
+        cache.v[i, :, :, start:end] = qkv[:, Cq + Ck:].reshape(n, Tn, Hkv, hd).transpose(0, 2, 1, 3)
+        qg = q.reshape(n, Tn, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(n, Hkv, G * Tn, hd)   # one tall matrix
+        sc = np.matmul(qg, cache.k[i, :, :, :end].swapaxes(-1, -2)) / math.sqrt(hd)            # per kv head
+        if Tn > 1:
+            sc[..., start:][..., future] = -np.inf
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        a = np.matmul(pr, cache.v[i, :, :, :end]).reshape(n, Hkv, G, Tn, hd)
+        x = x + _mm_t(a.transpose(0, 3, 1, 2, 4).reshape(n * Tn, Cq), P[L + "wo"])
         h, _ = rmsnorm_forward(x, P[L + "ffn_norm"])
-        x = x + swiglu_forward(h @ P.rows(L + "w1", L + "w3").T) @ P[L + "w2"].T
+        x = x + _mm_t(swiglu_forward(_mm_t(h, P.rows(L + "w1", L + "w3"))), P[L + "w2"])
     cache.len = end
     hf, _ = rmsnorm_forward(x, P["norm"])
-    return hf @ P["heads.0"].T
+    if all_heads:
+        logits = _mm_t(hf, P.rows("heads.0", f"heads.{cfg.n_mtp - 1}")).reshape(n, Tn, cfg.n_mtp, cfg.vocab)
+    else:
+        logits = _mm_t(hf, P["heads.0"]).reshape(n, Tn, cfg.vocab)
+    return logits[0] if single else logits
 
 
-def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached=True):
-    """Yields up to max_new sampled ids (stops at the context). cached=False reruns the whole sequence
-    through the training forward at every step: slow, kept to check the cache."""
+def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached=True, sampling=None,
+             speculative=False, stats=None):
+    """Yields up to max_new sampled ids (stops at the context). sampling (a pipeline.Sampling) overrides
+    temperature and top_k. speculative: heads 1..n_mtp-1 draft, head 0 verifies (the same distribution
+    of texts; the same ids when greedy); stats (a dict) then gets 'drafted' and 'accepted'.
+    cached=False reruns the whole sequence through the training forward at every step: slow, kept to
+    check the cache."""
     rng = rng if rng is not None else np.random.default_rng(0)
+    sampling = sampling or pl.Sampling(temperature, top_k)
+    if speculative and P.cfg.n_mtp > 1 and cached:
+        yield from _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats)
+        return
     ids = list(prompt_ids)
-    cache = KVCache(P.cfg, P.flat.dtype)
+    cache = KVCache(P.cfg, 1, P.flat.dtype)
     logits = forward_cached(P, ids, cache)[-1] if cached else None
     for _ in range(max_new):
         if not cached:
             logits = forward(P, np.array([ids], np.int32))[-1]
-        t = pl.sample_token(logits, temperature, top_k, rng)
+        t = sampling.sample(logits, ids, rng)
         yield t
         ids.append(t)
         if len(ids) >= P.cfg.ctx:
             return
         if cached:
             logits = forward_cached(P, [t], cache)[-1]
+
+
+def _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats):
+    """Speculative sampling with the model's own MTP heads as the draft model. State: a token z that is
+    decided but not yet cached, and every head's logits at the position before it (head k there
+    predicted position pos(z) + k). Each round drafts d_k from head k, runs one forward over [z, d_1..d_m]
+    and lets head 0 judge the drafts in order: d_i is kept with probability min(1, p(d_i) / q(d_i)), else
+    replaced by a draw from max(0, p - q) normalised, which ends the round and becomes the next z (the
+    cache is cut back to the kept tokens). When every draft is kept, head 0 at the last position draws
+    the next z. Greedy: p and q are one-hot, so a draft is kept exactly when it is head 0's argmax."""
+    cfg, ctx = P.cfg, P.cfg.ctx
+    ids = list(prompt_ids)
+    cache = KVCache(cfg, 1, P.flat.dtype)
+    heads = forward_cached(P, ids, cache, all_heads=True)[-1]              # (n_mtp, V) at the last position
+    z = sampling.sample(heads[0], ids, rng)
+    ids.append(z)
+    produced = 1
+    yield z
+    while produced < max_new and len(ids) < ctx:
+        m = min(cfg.n_mtp - 1, max_new - produced, ctx - len(ids))         # z's forward must fit the context
+        drafts, qs = [], []
+        for k in range(1, m + 1):
+            qs.append(sampling.probs(heads[k], ids + drafts))
+            drafts.append(int(np.argmax(qs[-1])) if sampling.temperature <= 0 else pl.draw(qs[-1], rng))
+        s0 = cache.len                                                     # the position of z
+        out = forward_cached(P, [z] + drafts, cache, all_heads=True)       # (1 + m, n_mtp, V)
+        n_ok = 0
+        for d, q in zip(drafts, qs):
+            p = sampling.probs(out[n_ok, 0], ids)
+            kept = d == np.argmax(p) if sampling.temperature <= 0 else rng.random() < p[d] / q[d]
+            if kept:
+                z = d
+                n_ok += 1
+            elif sampling.temperature <= 0:
+                z = int(np.argmax(p))
+            else:
+                residual = np.maximum(p - q, 0.0)
+                z = pl.draw(residual if residual.sum() > 0 else p, rng)
+            ids.append(z)
+            produced += 1
+            yield z
+            if not kept or produced >= max_new:
+                break
+        if stats is not None:
+            stats["drafted"] = stats.get("drafted", 0) + len(drafts)
+            stats["accepted"] = stats.get("accepted", 0) + n_ok
+        cache.len = s0 + 1 + n_ok                                          # z and the kept drafts
+        heads = out[n_ok]                                                  # at the last cached position
+        if n_ok == len(drafts) and produced < max_new and len(ids) < ctx:  # every draft kept: head 0 goes on
+            z = sampling.sample(heads[0], ids, rng)
+            ids.append(z)
+            produced += 1
+            yield z
+
+
+def generate_batch(P, prompt_ids, n, max_new, sampling, rng):
+    """n independent continuations of one prompt in one batch (plain decoding); -> n lists of ids."""
+    cfg = P.cfg
+    ids = [list(prompt_ids) for _ in range(n)]
+    cache = KVCache(cfg, n, P.flat.dtype)
+    logits = forward_cached(P, [prompt_ids] * n, cache)[:, -1]
+    outs = [[] for _ in range(n)]
+    for _ in range(min(max_new, cfg.ctx - len(prompt_ids))):
+        for r in range(n):
+            outs[r].append(sampling.sample(logits[r], ids[r], rng))
+            ids[r].append(outs[r][-1])
+        if len(ids[0]) >= cfg.ctx:
+            break
+        logits = forward_cached(P, [[o[-1]] for o in outs], cache)[:, -1]
+    return outs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -652,9 +808,31 @@ class Trainer:
         return self.P, self.opt.m, self.opt.v
 
 
-def cpu_generate(P, a):
+class DPOTrainer(Trainer):
+    """Trainer's AdamW steps on the DPO gradient: step(x, (y, ref), lr) takes a batch of pl.PrefBatches."""
+
+    def __init__(self, P, beta):
+        super().__init__(P)
+        self.beta = beta
+
+    def step(self, x, y_ref, lr):
+        loss, G = dpo_loss_and_grads(self.P, x, *y_ref, self.beta, self.grads)
+        norm = self.opt.step(self.P, G, lr) if math.isfinite(loss) else float("nan")
+        self.pending.append((loss, [loss], norm))
+
+
+def cpu_generate(P, a, stats=None):
     """generate_fn(ids, n, rng) for the pipeline's sample and chat loops, with a's sampling flags."""
-    return lambda ids, n, rng: generate(P, ids, n, a.temperature, a.top_k, rng)
+    sampling = pl.sampling_of(a)
+    return lambda ids, n, rng: generate(P, ids, n, rng=rng, sampling=sampling, speculative=a.speculative, stats=stats)
+
+
+def speed_line(n, seconds, speculative, stats, streams=1):
+    """The last line of sample: tokens/s, and how many drafts head 0 accepted."""
+    line = f"[{n} tokens" + (f" in {streams} streams" if streams > 1 else "") + f", {n / max(seconds, 1e-9):,.0f} tokens/s"
+    if speculative and stats.get("drafted"):
+        line += f", speculative: {stats['accepted'] / stats['drafted']:.0%} of {stats['drafted']} drafts accepted"
+    return line + ("" if speculative or streams > 1 else ", speculative off") + "]"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -684,12 +862,25 @@ def cmd_train(a):
 def cmd_sample(a):
     pl.check_sampling(a)
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
-    pl.sample_to_stdout(tok, cpu_generate(P, a), a.prompt, a, P.cfg.ctx)
+    if a.samples > 1:
+        sampling = pl.sampling_of(a)
+        n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: generate_batch(P, ids, k, m, sampling, rng),
+                                     a.prompt, a, P.cfg.ctx)
+        print(speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
+        return
+    stats = {}
+    n, dt = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), a.prompt, a, P.cfg.ctx)
+    print(speed_line(n, dt, a.speculative, stats), file=sys.stderr)
 
 
 def cmd_sft(a):
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     pl.run_sft(a, P, tok, lambda: Trainer(P), lambda x, y: forward_loss(P, x, y)[1][0])
+
+
+def cmd_dpo(a):
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    pl.run_dpo(a, P, tok, extra, lambda: DPOTrainer(P, a.beta), lambda x, y: seq_logps(P, x, y))
 
 
 def cmd_chat(a):
@@ -698,6 +889,16 @@ def cmd_chat(a):
     rng = np.random.default_rng(a.seed)
     gen = cpu_generate(P, a)
     pl.chat_repl(tok, lambda ids, n: gen(ids, n, rng), extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+
+
+def cmd_export(a):
+    import export                                    # its packages (safetensors, gguf) serve this mode alone
+    export.cmd_export(a)
+
+
+def cmd_import(a):
+    import export
+    export.cmd_import(a)
 
 
 def cmd_bench(a):
@@ -728,12 +929,30 @@ def cmd_bench(a):
     flops = pl.model_flops_per_token(cfg, T) * B * T
     print(f"train: {ms:.1f} ms/step (median of {a.steps}, min {min(times) * 1e3:.1f}) | "
           f"{B * T / ms * 1e3:,.0f} tokens/s | {flops / ms / 1e6:.1f} GFLOP/s")
-    rng = np.random.default_rng(0)
-    prompt = list(rng.integers(0, cfg.vocab, 16))
+    bench_sampling(*(pl.load_checkpoint(a.ckpt)[:2] if a.ckpt else (P, None)), batches)
+
+
+def bench_sampling(P, tok, batches, n=200, streams=8):
+    """Greedy generation of n tokens after a 16-token prompt of the validation text: plain, speculative
+    (the MTP heads draft; the same ids) and `streams` continuations in one batch. With random weights
+    (no --ckpt) the heads agree with head 0 by chance only, so speculation shows its cost, not its gain."""
+    prompt = batches.next()[0][0, :16].tolist() if tok is None else \
+        tok.encode(pl.default_corpus()[0][20_000:21_000])[:16]
+    greedy, runs = pl.Sampling(temperature=0), {}
+    for spec in (False, True, False, True):              # twice each, alternately: the second of each is timed
+        stats = {}
+        t0 = time.perf_counter()
+        out = list(generate(P, prompt, n, sampling=greedy, speculative=spec, stats=stats))
+        runs[spec] = (time.perf_counter() - t0, out, stats)
+    (t_plain, plain, _), (t_spec, spec_out, stats) = runs[False], runs[True]
+    assert spec_out == plain, "speculative decoding changed the greedy text"
     t0 = time.perf_counter()
-    out = list(generate(P, prompt, 128, 0.8, 40, np.random.default_rng(0)))
-    dt = time.perf_counter() - t0
-    print(f"sample: {len(out) / dt:,.0f} tokens/s with the KV cache ({len(out)} tokens after a 16-token prompt)")
+    outs = generate_batch(P, prompt, streams, n, greedy, np.random.default_rng(0))
+    t_batch = time.perf_counter() - t0
+    print(f"sample ({'checkpoint' if tok is not None else 'random weights'}, greedy, {len(plain)} tokens after a "
+          f"16-token prompt): plain {len(plain) / t_plain:,.0f} tokens/s | speculative "
+          f"{len(spec_out) / t_spec:,.0f} tokens/s ({t_plain / t_spec:.2f}x; {stats['accepted'] / max(stats['drafted'], 1):.0%} "
+          f"of drafts accepted; the same ids) | {streams} streams in a batch {sum(map(len, outs)) / t_batch:,.0f} tokens/s")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -742,26 +961,50 @@ def cmd_bench(a):
 def parser():
     p = pl.Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU. "
                   "The model and its files: CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.")
-    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,bench}", parser_class=pl.Parser)
+    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,dpo,bench,export,import}", parser_class=pl.Parser)
     for mode, text in (("train", "pretrain (on the embedded default corpus unless --data)"),
                        ("resume", "continue the run in --out from its checkpoint (train --resume)")):
         t = sub.add_parser(mode, help=text, description=text)
         pl.add_train_flags(t, out="out", defaults=pl.TRAIN_DEFAULTS, lr_note=" (small; 0.001 for the others)")
     s = sub.add_parser("sample", help="generate text from a checkpoint", description="generate text from a checkpoint")
     s.add_argument("--prompt", default="\n", help="text to continue (default a newline)")
-    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8)
+    s.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
+    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8, generation=True)
     c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)",
                        description="talk to a checkpoint: a chat checkpoint (sft) wraps each line in the SFT template, "
                                    "a base model continues your text; the conversation is kept within the context")
-    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7)
+    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7, generation=True)
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
                        description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
     pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
+    o = sub.add_parser("dpo", help="align a chat checkpoint with preference pairs (DPO)",
+                       description="direct preference optimisation (CONTRACT.md \"DPO\") of a chat checkpoint on pairs "
+                                   "of a chosen and a rejected answer, against itself frozen; writes a chat checkpoint")
+    pl.add_dpo_flags(o, ckpt="out_chat/ckpt.npz", out="out_dpo", steps=75, batch=8, lr=1e-5)
+    x = sub.add_parser("export", help="write a checkpoint for transformers (hf) or llama.cpp (gguf)",
+                       description="write a checkpoint as a Hugging Face LlamaForCausalLM folder (hf) or a GGUF file "
+                                   "for llama.cpp (gguf); export.py says how")
+    x.add_argument("--ckpt", default="out/ckpt.npz", help="checkpoint file or run folder (default out/ckpt.npz)")
+    x.add_argument("--format", choices=("hf", "gguf"), default="hf", help="hf: a folder; gguf: one file (default hf)")
+    x.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="gguf matrices (default f32)")
+    x.add_argument("--out", required=True, help="folder (hf) or .gguf file to write (required, no default)")
+    x.add_argument("--force", action="store_true", help="overwrite --out")
+    m = sub.add_parser("import", help="a Hugging Face Llama folder -> a checkpoint (sample, chat, sft)",
+                       description="read a Hugging Face LlamaForCausalLM folder with a byte-level BPE tokenizer into "
+                                   "a NanoEuler checkpoint")
+    m.add_argument("--hf", required=True, help="the Hugging Face folder (required, no default)")
+    m.add_argument("--out", required=True, help="checkpoint file (.npz) or run folder to write (required, no default)")
+    m.add_argument("--mtp", choices=("keep", "none", "init"), default="keep",
+                   help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
+                        "(two fresh ones) (default keep)")
+    m.add_argument("--force", action="store_true", help="overwrite --out")
     b = sub.add_parser("bench", help="training and sampling speed", description="training and sampling speed")
     pl.add_config_arg(b, "small")
     b.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     b.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     b.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
+    b.add_argument("--ckpt", help="time generation with this checkpoint, so the MTP heads' drafts mean something "
+                                  "(default: the random weights of the timed config)")
     return p
 
 
@@ -775,8 +1018,8 @@ def main(argv=None):
         if a.mode == "resume":
             a.resume = True
         n_threads()
-        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft,
-         "bench": cmd_bench}[a.mode](a)
+        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft, "dpo": cmd_dpo,
+         "bench": cmd_bench, "export": cmd_export, "import": cmd_import}[a.mode](a)
     except pl.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ Library code raises UserError with a message that says what to do; each engine's
 `error:` line and exits non-zero.
 
 Sections: errors | config | parameters | objective and schedule | data | checkpoints | sampling rules |
-SFT | chat | training | command line.
+SFT | DPO | chat | training | command line.
 """
 import argparse
 import codecs
@@ -451,19 +451,71 @@ def load_checkpoint(path, want_state=False):
 
 
 # ----------------------------------------------------------------------------------------------------
-# sampling rules: head 0, temperature and top-k; both engines draw with sample_token
+# sampling rules: how both engines draw from head 0's logits, and what a too-long prompt keeps
+
+@dataclass
+class Sampling:
+    """Greedy at temperature 0; else softmax(logits / temperature) over the top_k likeliest ids (0: all),
+    cut to the smallest set whose mass reaches top_p (1: no cut). repetition_penalty > 1 divides the
+    positive logits, and multiplies the negative ones, of ids already in the text (CTRL's rule; 1: off)."""
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+
+    def _penalised(self, logits, history):
+        z = np.array(logits, np.float64)
+        if self.repetition_penalty != 1.0 and len(history):
+            seen = np.unique(np.asarray(history, np.int64))
+            z[seen] = np.where(z[seen] > 0, z[seen] / self.repetition_penalty, z[seen] * self.repetition_penalty)
+        return z
+
+    def probs(self, logits, history=()):
+        """The (V,) float64 distribution that sample() draws from (one-hot at the argmax when greedy)."""
+        z = self._penalised(logits, history)
+        if self.temperature <= 0:
+            p = np.zeros_like(z)
+            p[np.argmax(z)] = 1.0
+            return p
+        z /= self.temperature
+        if self.top_k and self.top_k < len(z):
+            z[z < np.partition(z, -self.top_k)[-self.top_k]] = -np.inf
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            keep = np.searchsorted(np.cumsum(p[order]), self.top_p) + 1       # the smallest prefix reaching top_p
+            p[order[keep:]] = 0.0
+            p /= p.sum()
+        return p
+
+    def sample(self, logits, history, rng):
+        if self.temperature <= 0:                        # greedy draws no random number
+            return int(np.argmax(self._penalised(logits, history)))
+        return draw(self.probs(logits, history), rng)
+
+
+def draw(p, rng):
+    """One id from the distribution p (V,), by inverting its cumulative sum at one uniform number."""
+    cdf = np.cumsum(p)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+
 
 def sample_token(logits, temperature, top_k, rng):
-    """One id from a (V,) row of logits: greedy at temperature 0, else softmax(logits / T) over the top k."""
-    logits = np.asarray(logits, np.float64)
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits / temperature
-    if top_k and top_k < len(z):
-        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf
-    p = np.exp(z - z.max())
-    cdf = np.cumsum(p)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(z) - 1))
+    """One id from a (V,) row of logits with temperature and top-k alone."""
+    return Sampling(temperature, top_k).sample(logits, (), rng)
+
+
+def fit_prompt(ids, ctx, room):
+    """A prompt longer than the context keeps its last tokens, leaving `room` positions to generate
+    (at most half the context), and says so in one line. An empty prompt is refused."""
+    if not len(ids):
+        raise UserError("the prompt is empty; give some text (a newline will do)")
+    keep = ctx - max(1, min(room, ctx // 2))
+    if len(ids) > keep:
+        print(f"[the prompt is {len(ids)} tokens: kept its last {keep} to fit the context of {ctx}]", file=sys.stderr)
+        return list(ids[-keep:])
+    return list(ids)
 
 
 def check_sampling(a):
@@ -474,6 +526,12 @@ def check_sampling(a):
         raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or a positive number")
     if a.top_k < 0:
         raise UserError(f"--top-k {a.top_k}: give 0 (all tokens) or a positive number")
+    if not 0 < getattr(a, "top_p", 1.0) <= 1:
+        raise UserError(f"--top-p {a.top_p}: give a probability mass in (0, 1]")
+    if not getattr(a, "repetition_penalty", 1.0) > 0:
+        raise UserError(f"--repetition-penalty {a.repetition_penalty}: give a positive factor (1: off)")
+    if getattr(a, "samples", 1) < 1:
+        raise UserError(f"--samples {a.samples}: give how many continuations to draw, at least 1")
 
 
 def check_prompt(n_tokens, ctx):
@@ -498,16 +556,28 @@ def stream(tok, ids_iter, prefix=""):
 
 def sample_to_stdout(tok, generate_fn, prompt, a, ctx):
     """The sample mode of both engines: streams a.tokens ids after the prompt; says so when the context
-    ends the text first. generate_fn(ids, n, rng) yields ids."""
+    ends the text first. generate_fn(ids, n, rng) yields ids. -> (tokens, seconds)."""
     check_sampling(a)
-    ids = tok.encode(prompt)
-    check_prompt(len(ids), ctx)
+    ids = fit_prompt(tok.encode(prompt), ctx, a.tokens)
     t0 = time.perf_counter()
     n = stream(tok, generate_fn(ids, a.tokens, np.random.default_rng(a.seed)), prompt)
     dt = time.perf_counter() - t0
     if n < a.tokens:
         print(f"[stopped after {n} tokens: the context of {ctx} tokens is full]", file=sys.stderr)
     return n, dt
+
+
+def samples_to_stdout(tok, generate_batch_fn, prompt, a, ctx):
+    """--samples N: N continuations of one prompt drawn in one batch, printed one after the other.
+    generate_batch_fn(ids, N, n, rng) -> N id lists. -> (tokens in all, seconds)."""
+    check_sampling(a)
+    ids = fit_prompt(tok.encode(prompt), ctx, a.tokens)
+    t0 = time.perf_counter()
+    outs = generate_batch_fn(ids, a.samples, a.tokens, np.random.default_rng(a.seed))
+    dt = time.perf_counter() - t0
+    for i, out in enumerate(outs):
+        print(f"--- sample {i + 1}/{len(outs)} ---\n{prompt}{tok.decode(out)}")
+    return sum(map(len, outs)), dt
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -639,6 +709,213 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
 
 
 # ----------------------------------------------------------------------------------------------------
+# DPO: preference pairs in the SFT template and the loss of CONTRACT.md "DPO", for either engine. An engine
+# gives seq_logps(x, y) -> (rows,) float64, head 0's log-probs of each row's counted targets summed, and a
+# trainer whose step(x, (y, ref), lr) follows dpo_loss's d loss / d log-prob down to its logits.
+
+def load_prefs(path):
+    """JSONL, one {prompt, chosen, rejected[, input]} a line (prompt: the template's instruction) -> list of
+    pairs; None gives the built-in set. A bad pair raises UserError with its line."""
+    if path is None:
+        return builtin_prefs()
+    pairs = []
+    with open(existing_file(path, "preference data"), encoding="utf-8") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise UserError(f"preference data {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{path} line {n} is not JSON ({e})") from None
+        where = f"{path} line {n}"
+        if not isinstance(d, dict):
+            raise UserError(f"{where} is not an object with prompt, chosen and rejected")
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(d.get(key), str) or not d[key].strip():
+                raise UserError(f"{where}: {key} is missing or empty; every pair needs a prompt, a chosen and a "
+                                "rejected text")
+        if not isinstance(d.get("input", ""), str):
+            raise UserError(f"{where}: input must be a string")
+        if d["chosen"] == d["rejected"]:
+            raise UserError(f"{where}: chosen equals rejected, a pair that prefers nothing; drop it")
+        pairs.append({k: d.get(k, "") for k in ("prompt", "input", "chosen", "rejected")})
+    if not pairs:
+        raise UserError(f"preference data {path} holds no pairs")
+    return pairs
+
+
+def builtin_prefs():
+    """The built-in SFT set as pairs: each example's answer is chosen, and the same answer fallen into a loop
+    rejected (its opening words, from 1 to half of them, repeated to its length), the commonest failure of
+    small models. The shared opening counts the same on both sides, so the pair teaches where to go on."""
+    rng = np.random.default_rng(0)
+    pairs = []
+    for e in builtin_sft_examples():
+        words = e["output"].split(" ")
+        k = int(rng.integers(1, max(2, len(words) // 2)))
+        loop = (words[:k] * (len(words) // k + 1))[:max(len(words), 2 * k)]
+        pairs.append({"prompt": e["instruction"], "input": e["input"], "chosen": e["output"], "rejected": " ".join(loop)})
+    return pairs
+
+
+def pref_pair(tok, pair, T):
+    """-> ([(ids, targets) of the chosen answer, of the rejected], cut) in the SFT template, each at most T
+    positions, targets -1 but on the answer and its <|endoftext|>. A longer pair keeps both answers whole and
+    loses the start of its prompt (cut); None when the longer answer alone leaves no room for the prompt."""
+    prompt = tok.encode(format_prompt(pair["prompt"], pair.get("input", "")))
+    answers = [tok.encode(pair[k]) + [tok.eot] for k in ("chosen", "rejected")]
+    keep = T + 1 - max(map(len, answers))            # prompt tokens that fit (ids are seq[:-1])
+    if keep < 1:
+        return None
+    cut, prompt = len(prompt) > keep, prompt[-keep:]
+    rows = []
+    for answer in answers:
+        seq = prompt + answer
+        targets = np.array(seq[1:], np.int32)
+        targets[:len(prompt) - 1] = -1               # positions whose next token is prompt
+        rows.append((np.array(seq[:-1], np.int32), targets))
+    return rows, cut
+
+
+class PrefBatches:
+    """Batches of B pairs as 2B rows, the chosen answers in rows [:B] and the rejected in [B:], padded with
+    <|endoftext|> to the longest (fixed=True: to exactly T), padding targets -1. ref (pairs, 2): the reference
+    log-probs (chosen, rejected), set once; next() -> (x, (y, ref of its rows (2B,)))."""
+
+    def __init__(self, tok, pairs, B, T, seed=0, fixed=False):
+        encoded = [pref_pair(tok, p, T) for p in pairs]
+        self.pairs = [e[0] for e in encoded if e is not None]
+        self.skipped, self.cut = encoded.count(None), sum(e[1] for e in encoded if e is not None)
+        self.B, self.T, self.fixed, self.eot = B, T, fixed, tok.eot
+        self.rng = np.random.default_rng(seed)
+        self.ref = None
+
+    def batch(self, chosen):
+        B = self.B if self.fixed else len(chosen)
+        T = self.T if self.fixed else max(len(ids) for i in chosen for ids, _ in self.pairs[i])
+        x = np.full((2 * B, T), self.eot, np.int32)
+        y = np.full((2 * B, T), -1, np.int32)
+        for r, i in enumerate(chosen):
+            for k, (ids, targets) in enumerate(self.pairs[i]):
+                x[k * B + r, :len(ids)], y[k * B + r, :len(ids)] = ids, targets
+        return x, y
+
+    def next(self):
+        chosen = self.rng.integers(0, len(self.pairs), self.B)
+        x, y = self.batch(chosen)
+        return x, (y, self.ref[chosen].T.reshape(-1))
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def set_state(self, state):
+        self.rng.bit_generator.state = state
+
+
+def pair_logps(batches, seq_logps):
+    """(pairs, 2) float64: seq_logps of the (chosen, rejected) answer of every pair, B pairs at a time."""
+    out, n = [], len(batches.pairs)
+    for i in range(0, n, batches.B):
+        rows = range(i, min(n, i + batches.B))
+        x, y = batches.batch(rows)
+        lp, half = seq_logps(x, y), len(x) // 2
+        out.append(np.stack([lp[:len(rows)], lp[half:half + len(rows)]], 1))
+    return np.concatenate(out)
+
+
+def dpo_loss(logp, ref, beta):
+    """logp, ref (2B,) float64 log-probs of the policy and the reference, chosen answers first. -> (the mean
+    over pairs of -log sigmoid(z), z = beta ((logp_c - ref_c) - (logp_r - ref_r)); d loss / d logp (2B,))."""
+    B = len(logp) // 2
+    z = beta * ((logp[:B] - ref[:B]) - (logp[B:] - ref[B:]))
+    s = beta * np.exp(-np.logaddexp(0.0, z)) / B     # beta sigmoid(-z) / B, without overflow
+    return float(np.logaddexp(0.0, -z).mean()), np.concatenate([-s, s])
+
+
+def dpo_metrics(logp, ref, beta):
+    """The evaluation of (pairs, 2) log-probs against the reference's: preference accuracy (the chosen reward
+    beta (logp - ref) above the rejected one; a tie, as at the start where policy = reference, counts half),
+    the mean reward margin, the mean drift logp - ref of each answer, and the DPO loss."""
+    d = logp - ref
+    z = beta * (d[:, 0] - d[:, 1])
+    return {"pref_acc": float(np.mean((z > 0) + 0.5 * (z == 0))), "margin": float(z.mean()),
+            "drift_chosen": float(d[:, 0].mean()), "drift_rejected": float(d[:, 1].mean()),
+            "dpo_loss": dpo_loss(logp.T.reshape(-1), ref.T.reshape(-1), beta)[0]}
+
+
+def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
+    """DPO from the chat checkpoint P, for either engine: make_trainer() -> a train_loop trainer over P whose
+    step takes (x, (y, ref), lr); seq_logps(x, y) -> (rows,) summed head-0 log-probs. The reference log-probs
+    come from P before the first step; 1 pair in 10 is held out and evaluated."""
+    check_positive(a, "steps", "batch")
+    if not a.lr > 0 or not a.beta > 0:
+        raise UserError(f"--lr {a.lr} and --beta {a.beta}: give positive numbers")
+    if extra.get("kind") != "chat":
+        print(f"warning: {a.ckpt} is a base checkpoint, never fine-tuned on the SFT template; DPO goes on, "
+              "but sft first gives a model that answers", file=sys.stderr, flush=True)
+    pairs = load_prefs(a.data)
+    if len(pairs) < 2:
+        raise UserError(f"preference data {a.data} holds 1 pair; give at least 2 (1 in 10 is held out)")
+    order = np.random.default_rng(a.seed).permutation(len(pairs))
+    n_val, T = max(1, len(pairs) // 10), P.cfg.ctx
+    train = PrefBatches(tok, [pairs[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape)
+    val = PrefBatches(tok, [pairs[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape)
+    print(f"DPO data: {a.data or 'built-in pairs from the SFT set (no download)'}, {len(pairs)} pairs, "
+          f"{len(val.pairs)} held out, beta {a.beta}")
+    if train.cut + val.cut or train.skipped + val.skipped:
+        print(f"pairs longer than the context of {T} tokens: {train.cut + val.cut} kept their answers and lost the "
+              f"start of their prompt, {train.skipped + val.skipped} skipped (an answer alone too long)")
+    if not train.pairs or not val.pairs:
+        raise UserError(f"too few pairs fit the context of {T} tokens to train and to hold out; shorten the answers")
+    ckpt_path = os.path.join(a.out, "ckpt.npz")
+    if os.path.exists(ckpt_path) and not a.force:
+        raise UserError(f"{ckpt_path} exists: use another --out or --force")
+    os.makedirs(a.out, exist_ok=True)
+    t0 = time.time()
+    train.ref, val.ref = pair_logps(train, seq_logps), pair_logps(val, seq_logps)
+    print(f"reference log-probs of {len(train.pairs) + len(val.pairs)} pairs ({time.time() - t0:.1f} s); the "
+          f"reference itself gives the chosen answer more probability in {np.mean(val.ref[:, 0] > val.ref[:, 1]):.0%} "
+          "of the held-out pairs", flush=True)
+    seen = []
+
+    def val_fn():
+        m = dpo_metrics(pair_logps(val, seq_logps), val.ref, a.beta)
+        seen.append(m)
+        print(f"held-out: preference accuracy {m['pref_acc']:.1%} | reward margin {m['margin']:+.4f} | log-prob "
+              f"drift chosen {m['drift_chosen']:+.3f}, rejected {m['drift_rejected']:+.3f}", flush=True)
+        return m["dpo_loss"], None, {k: round(v, 5) for k, v in m.items()}
+
+    with open(os.path.join(a.out, "train_log.jsonl"), "a") as log:   # the start, as train_loop logs the rest
+        log.write(json.dumps({"step": 0, **val_fn()[2]}) + "\n")
+    args = dict(TRAIN_DEFAULTS, steps=a.steps, schedule_steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1),
+                batch=a.batch, seq=T, eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9,
+                log_every=10, data=a.data, beta=a.beta)
+    train_loop(make_trainer(), tok, train, args, a.out, val_fn, extra={"kind": "chat", "stage": "dpo"})
+    print(f"DPO held-out preference accuracy: before {seen[0]['pref_acc']:.1%} -> after {seen[-1]['pref_acc']:.1%}; "
+          f"reward margin {seen[-1]['margin']:+.4f}; chat checkpoint {ckpt_path} ({time.time() - t0:.0f} s)")
+
+
+def add_dpo_flags(p, ckpt, out, steps, batch, lr):
+    p.add_argument("--ckpt", default=ckpt, help=f"the SFT (chat) checkpoint or its run folder, also the frozen "
+                                                f"reference (default {ckpt})")
+    p.add_argument("--data", help="JSONL, one {prompt, chosen, rejected[, input]} a line, as data/get_prefs.sh "
+                                  "writes (default: the built-in pairs, no download: each answer of the built-in "
+                                  "SFT set against itself fallen into a loop of its opening words; they teach not "
+                                  "to loop, nothing of helpfulness or safety)")
+    p.add_argument("--beta", type=float, default=0.1, help="strength of the pull to the reference (default 0.1)")
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--batch", type=int, default=batch, help=f"pairs per step (default {batch})")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument("--seed", type=int, default=0, help="held-out split and data order (default 0)")
+    p.add_argument("--out", default=out, help=f"folder of the chat checkpoint (default {out})")
+    p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
+
+
+# ----------------------------------------------------------------------------------------------------
 # chat: a REPL that streams the model's answer and keeps the conversation within the context
 
 def chat_repl(tok, generate_fn, template, max_new, ctx):
@@ -677,11 +954,7 @@ def chat_repl(tok, generate_fn, template, max_new, ctx):
             dropped += 1
         if dropped:
             print(f"[dropped the {dropped} oldest turn(s) to fit the context of {ctx} tokens]", flush=True)
-        ids = history(turns) + user
-        if len(ids) >= ctx:
-            print(f"error: the message is {len(ids)} tokens, longer than the context of {ctx} minus one; "
-                  "shorten it", flush=True)
-            continue
+        ids = fit_prompt(history(turns) + user, ctx, max_new)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         answer = []
         try:
@@ -739,7 +1012,7 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
     a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
     args: steps, schedule_steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
-    val_fn() -> (val loss, bits per byte); sample_fn(step) prints a sample. Returns the last validation loss; raises KeyboardInterrupt
+    val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample. Returns the last validation loss; raises KeyboardInterrupt
     after saving when Ctrl-C stopped the run."""
     ckpt_path = os.path.join(out_dir, "ckpt.npz")
     flag = StopFlag()
@@ -788,8 +1061,8 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
             rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
                    "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt)}
             if s == step and evaluating:
-                val_loss, bpb = val_fn()
-                rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}))
+                val_loss, bpb, *more = val_fn()          # more: a dict of other metrics for the log (DPO)
+                rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}), **(more[0] if more else {}))
             log.write(json.dumps(rec) + "\n")
         log.flush()
         if printing:
@@ -942,14 +1215,30 @@ def add_train_flags(p, out, defaults, lr_note=""):
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
 
 
-def add_sample_flags(p, ckpt, temperature):
+def sampling_of(a):
+    """The Sampling the flags ask for."""
+    return Sampling(a.temperature, a.top_k, getattr(a, "top_p", 1.0), getattr(a, "repetition_penalty", 1.0))
+
+
+def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False):
+    """The flags of sample and chat; generation=True adds top-p, the repetition penalty and speculative
+    decoding (on by default where the engine found it faster), for an engine that has them."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
-    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate (default 200; "
-                                                           "generation also stops when the context is full)")
+    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate (default 200; generation stops "
+                   "when the context is full; a longer prompt keeps its last tokens, with a notice)")
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature})")
     p.add_argument("--top-k", dest="top_k", type=int, default=40, help="sample from the k likeliest (0: all; default 40)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same text (default 0)")
+    if not generation:
+        return
+    p.add_argument("--top-p", dest="top_p", type=float, default=1.0,
+                   help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
+    p.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
+                   help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
+    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=speculative,
+                   help="let the MTP heads draft tokens that head 0 verifies in one forward: the same text, distributed "
+                        f"exactly as without (default {'on' if speculative else 'off: slower on this engine so far'})")
 
 
 def add_sft_flags(p, ckpt, out, batch, seq, lr):

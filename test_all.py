@@ -190,6 +190,106 @@ def test_batch_shards_add_up_to_the_whole_batch(monkeypatch):
     assert np.abs(g1 - g3).max() < 1e-12 * np.abs(g1).max()
 
 
+def _shift_model(shifts, sharpness):
+    """A tiny model whose head k puts its mass on token (a + shifts[k]) % V after token a: the layers add
+    nothing (wo = w2 = 0), so the last hidden state is the current token's normalised embedding, and head
+    k's rows are the embeddings, permuted. sharpness scales the logits (large: nearly one-hot)."""
+    cfg = pl.Config(dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx=64, vocab=40, ffn=64, n_mtp=len(shifts))
+    P = pl.Params.init(cfg, 5, np.float64)
+    E = P["tok_emb"]
+    E[:] = np.random.default_rng(5).standard_normal(E.shape)
+    for i in range(cfg.n_layers):
+        P[f"layers.{i}.wo"][:] = P[f"layers.{i}.w2"][:] = 0
+    for k, shift in enumerate(shifts):
+        P[f"heads.{k}"][:] = sharpness * np.roll(E, shift, axis=0) / math.sqrt(cfg.dim)
+    return P
+
+
+def test_speculative_greedy_equals_plain_greedy():
+    """Drafts kept (head 1 is right), drafts refused (head 2 is wrong) and a random model: the same ids."""
+    for P in (_shift_model([1, 2, 5], 20.0), pl.Params.init(pl.CONFIGS["tiny"], 3)):
+        for prompt, n in (([3, 4], 30), ([1], 61), (list(range(40)) + [7] * 20, 10)):   # the last two hit the context
+            stats = {}
+            plain = list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0)))
+            spec = list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0), speculative=True, stats=stats))
+            assert spec == plain and len(plain) == min(n, P.cfg.ctx - len(prompt))
+    P = _shift_model([1, 2, 5], 20.0)
+    stats = {}
+    list(ne.generate(P, [3], 40, sampling=pl.Sampling(temperature=0), speculative=True, stats=stats))
+    assert 0.4 < stats["accepted"] / stats["drafted"] < 0.6              # head 1 always right, head 2 never
+
+
+def test_speculative_sampling_has_plain_sampling_distribution():
+    """Three tokens after a prompt, top-k 3 at temperature 1: the exact joint law of (t1, t2, t3) from
+    head 0's distributions, against the frequencies of 3000 speculative draws (chi-square, p = 0.001)."""
+    P = _shift_model([1, 2, 3], 0.6)                     # soft heads: drafts are kept about 40% of the time
+    s = pl.Sampling(temperature=1.0, top_k=3)
+    prompt = [10]
+
+    def p0(ids):
+        return s.probs(ne.forward_cached(P, ids, ne.KVCache(P.cfg, 1, np.float64))[-1])
+    law = {}
+    p1 = p0(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = p0(prompt + [a])
+        for b in np.flatnonzero(p2):
+            p3 = p0(prompt + [a, b])
+            for c in np.flatnonzero(p3):
+                law[(a, b, c)] = p1[a] * p2[b] * p3[c]
+    rng, stats, n = np.random.default_rng(0), {}, 3000
+    counts = Counter(tuple(ne.generate(P, prompt, 3, sampling=s, rng=rng, speculative=True, stats=stats))
+                     for _ in range(n))
+    assert set(counts) <= set(law)
+    assert 0.2 < stats["accepted"] / stats["drafted"] < 0.9
+    keys = sorted(law, key=law.get, reverse=True)
+    big = [k for k in keys if law[k] * n >= 5]            # cells with enough expected counts; the rest pooled
+    obs = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    exp = [law[k] * n for k in big] + [n * (1 - sum(law[k] for k in big))]
+    chi2, df = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0), len(obs) - 1
+    bound = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3   # Wilson-Hilferty, p = 0.001
+    assert chi2 < bound, (chi2, df)
+
+
+def test_batched_generation_is_independent_streams():
+    P = pl.Params.init(pl.CONFIGS["tiny"], 3)
+    P.flat *= 10
+    greedy = pl.Sampling(temperature=0)
+    plain = list(ne.generate(P, [5, 6], 20, sampling=greedy))
+    assert ne.generate_batch(P, [5, 6], 3, 20, greedy, np.random.default_rng(0)) == [plain] * 3
+    s = pl.Sampling(temperature=1.0, top_k=0)
+    a = ne.generate_batch(P, [5, 6], 4, 20, s, np.random.default_rng(1))
+    assert a == ne.generate_batch(P, [5, 6], 4, 20, s, np.random.default_rng(1))      # the seed fixes them
+    assert len({tuple(x) for x in a}) == 4                                           # and they differ
+    # each stream is a plain decode: stream r's logits equal a single-stream cache's on its own ids
+    cache = ne.KVCache(P.cfg, 1)
+    ref = ne.forward_cached(P, [5, 6] + a[2][:-1], cache)[-1]
+    cache_b = ne.KVCache(P.cfg, 4)
+    got = ne.forward_cached(P, [[5, 6] + x[:-1] for x in a], cache_b)[2, -1]
+    assert np.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_top_p_and_repetition_penalty_by_hand():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    assert pl.Sampling(1.0, 0, top_p=0.7).probs(logits) == pytest.approx([0.625, 0.375, 0, 0])
+    assert pl.Sampling(1.0, 0, top_p=0.5).probs(logits) == pytest.approx([1, 0, 0, 0])
+    assert pl.Sampling(1.0, 0, top_p=0.96).probs(logits) == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    z = np.array([2.0, -1.0, 0.5, 0.0])
+    p = pl.Sampling(1.0, 0, repetition_penalty=2.0).probs(z, history=[0, 1, 1])       # 2 -> 1, -1 -> -2
+    assert p == pytest.approx(np.exp([1.0, -2.0, 0.5, 0.0]) / np.exp([1.0, -2.0, 0.5, 0.0]).sum())
+    assert pl.Sampling(0.0, repetition_penalty=5.0).sample(z, [0], None) == 2          # 2/5 < 0.5
+
+
+def test_sample_cli_samples_and_speed_line(one_step_ckpt):
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 3, "--tokens", 8, "--prompt", "The")
+    assert r.returncode == 0 and r.stdout.count("--- sample ") == 3 and "in 3 streams" in r.stderr, r.stderr
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--no-speculative")
+    assert r.returncode == 0 and "tokens/s, speculative off]" in r.stderr, r.stderr
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--temperature", 0, "--speculative")
+    assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr
+    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--top-p", 0), "--top-p 0")
+    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
+
+
 def test_kv_cache_generation_equals_uncached():
     cfg = pl.CONFIGS["tiny"]
     P = pl.Params.init(cfg, 3)
@@ -275,10 +375,11 @@ def test_nan_loss_stops_and_keeps_the_checkpoint(tmp_path, corpus):
     assert (out / "ckpt.npz").read_bytes() == before
 
 
-def test_prompt_longer_than_context(tmp_path, corpus):
+def test_prompt_longer_than_context_keeps_its_end(tmp_path, corpus):
     out = tmp_path / "p"
     assert _train(out, corpus, "--steps", 1).returncode == 0
-    assert_one_line_error(run_cli("sample", "--ckpt", out / "ckpt.npz", "--prompt", "word " * 600), "context")
+    r = run_cli("sample", "--ckpt", out, "--prompt", "word " * 600 + "END", "--tokens", 5)
+    assert r.returncode == 0 and "kept its last 507 to fit the context of 512" in r.stderr, r.stderr
 
 
 def test_sft_loss_mask_is_exact():
@@ -329,7 +430,7 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
     r = run_cli("chat", "--ckpt", chat / "ckpt.npz", "--tokens", 20, stdin="What is a statement?\n" + "x " * 600 + "\n",
                 env_extra=env)
     assert r.returncode == 0, r.stderr
-    assert "instruction model" in r.stdout and "longer than the context" in r.stdout
+    assert "instruction model" in r.stdout and "kept its last" in r.stderr
     r = run_cli("chat", "--ckpt", base / "ckpt.npz", "--tokens", 10, stdin="The\n", env_extra=env)
     assert r.returncode == 0 and "base model" in r.stdout
 
