@@ -631,7 +631,7 @@ class KVCache:
 def _mm_t(h, W):
     """h @ W.T for the few rows of a decode step: one matrix-vector product per row. With one-thread
     OpenBLAS, sgemm with 3 rows took 8x the time of 1 row (it packs all of W); 3 gemv calls take 2x."""
-    return np.stack([W @ r for r in h]) if len(h) <= 4 else h @ W.T
+    return np.stack([W @ r for r in h]) if 1 < len(h) <= 4 else h @ W.T
 
 
 def forward_cached(P, ids, cache, all_heads=False):

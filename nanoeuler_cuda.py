@@ -120,7 +120,7 @@ def set_tf32(on):
     cublas.setMathMode(_handle, 3 if on else 0)   # CUBLAS_TF32_TENSOR_OP_MATH / CUBLAS_DEFAULT_MATH
 
 
-NAIVE_TF32 = False   # the naive attention's score/value products stay fp32 (SPEC), unless set for a comparison
+NAIVE_TF32 = False   # the naive attention's score/value products stay fp32 (CONTRACT.md), unless set for a comparison
 
 
 # cudaDataType / cublasComputeType_t / cublasGemmAlgo_t values for cublasGemmEx
@@ -1914,7 +1914,7 @@ def compile_check(arch="compute_90", verbose=False):
 
 
 # ----------------------------------------------------------------------------------------------------
-# model: the forward and backward passes of SPEC.md over preallocated device buffers for one (B, T)
+# model: the forward and backward passes of CONTRACT.md over preallocated device buffers for one (B, T)
 
 def _param_offsets(cfg):
     """name -> (start, end, shape) in the flat buffer: nanoeuler.param_shapes' order, no padding."""

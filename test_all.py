@@ -312,7 +312,7 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
     P2, tok2, state, extra = pl.load_checkpoint(str(path))
     assert np.array_equal(P.flat, P2.flat) and tok2.to_string() == tok.to_string() and extra == {"kind": "base"}
     assert not list(tmp_path.glob("*.tmp"))
-    with np.load(path) as z:                         # SPEC: float32 tensors by name, config JSON, tokenizer
+    with np.load(path) as z:                         # CONTRACT.md: float32 tensors by name, config JSON, tokenizer
         assert z["layers.2.w3"].dtype == np.float32 and json.loads(str(z["config"]))["n_mtp"] == 3
     bad = tmp_path / "bad.npz"
     bad.write_bytes(path.read_bytes()[:5000])

@@ -3,7 +3,7 @@ test_reference.py -- the engine held to references written apart from it (issue 
 
 gradcheck.py proves that each backward matches its own forward. These tests prove that the forward, the
 objective, the optimiser, the schedule, the data and SFT paths, sampling and checkpoints are the ones
-SPEC.md describes: the model and the optimiser are re-derived below in plain float64 numpy (no Numba, no
+CONTRACT.md describes: the model and the optimiser are re-derived below in plain float64 numpy (no Numba, no
 flat buffer, nothing of the engine's math imported), the rest is checked against hand-computed values.
 `python3 mutate.py` plants bugs in the engine and reports which of them these tests miss.
 
@@ -32,11 +32,11 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = pl.CONFIGS["tiny"]
 
 # ====================================================================================================
-# reference model: SPEC.md's "Model" and "Multi-token prediction" sections, one sequence at a time
+# reference model: CONTRACT.md's "Model" and "Multi-token prediction" sections, one sequence at a time
 
 
 def ref_shapes(cfg):
-    """SPEC.md's parameter table: name -> shape (matrices out x in)."""
+    """CONTRACT.md's parameter table: name -> shape (matrices out x in)."""
     D, hd, F, V = cfg.dim, cfg.dim // cfg.n_heads, cfg.ffn, cfg.vocab
     shapes = {"tok_emb": (V, D), "norm": (D,)}
     for i in range(cfg.n_layers):
@@ -117,7 +117,7 @@ def ref_losses(W, cfg, idx, targets, mtp_weight):
 # ====================================================================================================
 # reference optimiser and schedule: PyTorch's documented AdamW (decoupled decay, bias-corrected moments,
 # eps outside the square root) and clip_grad_norm_ (one global L2 norm, coefficient max/(norm + 1e-6)
-# clamped at 1); SPEC.md's defaults; decay on matrices and the embedding only
+# clamped at 1); CONTRACT.md's defaults; decay on matrices and the embedding only
 
 def ref_lr(step, total, peak, warmup):
     """Linear warm-up reaching the peak at step warmup-1, then cosine from the peak to 10% of it at total."""
@@ -161,7 +161,7 @@ def random_weights(cfg, seed):
 
 
 def to_params(W, cfg):
-    """The engine's float64 Params holding W; its names and shapes must be SPEC's."""
+    """The engine's float64 Params holding W; its names and shapes must be the contract's."""
     P = pl.Params(cfg, np.float64)
     assert {n: v.shape for n, v in P.items()} == ref_shapes(cfg)
     for n, a in W.items():
@@ -172,7 +172,7 @@ def to_params(W, cfg):
 OTHER = pl.Config(dim=24, n_heads=6, n_kv_heads=2, n_layers=2, ctx=160, vocab=61, ffn=40, n_mtp=4)    # 3 q per kv
 MQA = pl.Config(dim=16, n_heads=2, n_kv_heads=1, n_layers=1, ctx=16, vocab=37, ffn=24, n_mtp=1)
 WEIGHTED = pl.Config(dim=16, n_heads=4, n_kv_heads=4, n_layers=2, ctx=16, vocab=40, ffn=32, n_mtp=2, mtp_weight=0.7)
-# (config, B, T, the mtp_weight SPEC gives it): OTHER's T=130 spans three of the engine's attention chunks
+# (config, B, T, the mtp_weight the contract gives it): OTHER's T=130 spans three of the engine's attention chunks
 CASES = {"tiny": (TINY, 3, 12, 0.3), "other": (OTHER, 2, 130, 0.3), "mqa": (MQA, 2, 9, 0.3),
          "weighted": (WEIGHTED, 2, 10, 0.7)}
 
@@ -241,7 +241,7 @@ def test_generation_is_head_0_greedy_and_stops_at_the_context():
     assert list(ne.generate(P, prompt, 10, temperature=0.0)) == expected
     assert list(ne.generate(P, prompt, 10, temperature=1.0, top_k=1, rng=np.random.default_rng(0))) == expected
     assert list(ne.generate(P, prompt[:10], 4, temperature=0.0)) == ref_greedy(W, TINY, prompt[:10], 4)[10:]
-    stats = {}                                                 # SPEC: drafts never change greedy head-0 output
+    stats = {}                                                 # CONTRACT.md: drafts never change greedy head-0 output
     assert list(ne.generate(P, prompt[:10], 12, temperature=0.0, speculative=True, stats=stats)) == ref_greedy(
         W, TINY, prompt[:10], 12)[10:] and stats["drafted"] > 0
 
