@@ -11,7 +11,7 @@ setup:
 	$(PIP) -r requirements.txt
 
 setup-test: setup                          # test-only tools; the NVRTC wheel lets CI compile the CUDA kernels
-	$(PIP) pytest hypothesis duckdb nvidia-cuda-nvrtc-cu12
+	$(PIP) pytest hypothesis duckdb matplotlib nvidia-cuda-nvrtc-cu12  # matplotlib: the plot test of test_evaluate.py
 	$(PIP) "torch==2.13.0+cpu" transformers  # test_export.py loads the exports in transformers (CPU wheel, not CUDA's)
 	$(PIP) llama-cpp-python || echo "llama-cpp-python did not build: the llama.cpp test of test_export.py will skip"  # compiles llama.cpp once (~5 min), cached by pip after
 

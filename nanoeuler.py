@@ -856,7 +856,56 @@ def cmd_train(a):
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
-    pl.print_sample(tok, gen, "\n", 200, seed=args["seed"])
+    ids = tok.encode("\n")
+    sample = tok.decode(ids + list(gen(ids, 200, np.random.default_rng(args["seed"]))))
+    print("--- sample ---\n" + sample + "\n--------------", flush=True)
+    import evaluate
+    print(f"report: {evaluate.write_report(a.out, args, P.cfg, loss, bpb, sample)}")
+
+
+def cpu_logprobs(P):
+    """logprobs_fn for evaluate.py: sequences (lists of ids, at most ctx) -> per-token head-0 log-probs,
+    one forward per call (shorter sequences padded at the end: causal attention keeps them exact)."""
+    def fn(seqs):
+        T = max(len(s) for s in seqs)
+        if T > P.cfg.ctx:
+            raise ValueError(f"a sequence of {T} tokens is longer than the context of {P.cfg.ctx}")
+        idx = np.zeros((len(seqs), T), np.int32)
+        for r, s in enumerate(seqs):
+            idx[r, :len(s)] = s
+        logits = forward(P, idx).reshape(len(seqs), T, -1).astype(np.float64)
+        m = logits.max(-1, keepdims=True)
+        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        return [logp[r, np.arange(len(s) - 1), s[1:]] for r, s in enumerate(seqs)]
+    return fn
+
+
+def cmd_eval(a):
+    import evaluate
+    if a.limit is not None:
+        pl.check_positive(a, "limit")
+    if a.task == "bpb" and not a.data:
+        raise pl.UserError("--task bpb needs --data TEXT_FILE")
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+    fn = cpu_logprobs(P)
+    if a.task == "bpb":
+        text = pl.read_text(a.data)
+        bpb, nats, n, n_bytes = evaluate.bpb(tok, text, fn, P.cfg.ctx)
+        result = dict(task="bpb", data=a.data, bpb=round(bpb, 5), loss=round(nats, 5), tokens=n, bytes=n_bytes)
+        evaluate.record_eval(a.ckpt, result)
+        print(f"bpb: {bpb:.4f} bits per byte | {nats:.4f} nats per token | {n:,} tokens scored | {n_bytes:,} bytes "
+              f"(windows of {P.cfg.ctx} tokens, stride {P.cfg.ctx - 1}: each token scored once)")
+        return
+    items = evaluate.load_hellaswag(a.data, a.limit)
+    r = evaluate.hellaswag(tok, items, fn, P.cfg.ctx, warn=lambda m: print(m, file=sys.stderr))
+    evaluate.record_eval(a.ckpt, dict(task="hellaswag", data=a.data, n=r["n"], acc=round(r["acc"], 5),
+                                      acc_norm=round(r["acc_norm"], 5)))
+    print(f"hellaswag: {r['n']} items | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
+
+
+def cmd_plot(a):
+    import evaluate
+    print(f"wrote {evaluate.plot(a.runs, a.out)}")
 
 
 def cmd_sample(a):
@@ -961,7 +1010,7 @@ def bench_sampling(P, tok, batches, n=200, streams=8):
 def parser():
     p = pl.Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU. "
                   "The model and its files: CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.")
-    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,dpo,bench,export,import}", parser_class=pl.Parser)
+    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,dpo,eval,plot,bench,export,import}", parser_class=pl.Parser)
     for mode, text in (("train", "pretrain (on the embedded default corpus unless --data)"),
                        ("resume", "continue the run in --out from its checkpoint (train --resume)")):
         t = sub.add_parser(mode, help=text, description=text)
@@ -998,6 +1047,21 @@ def parser():
                    help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
                         "(two fresh ones) (default keep)")
     m.add_argument("--force", action="store_true", help="overwrite --out")
+    e = sub.add_parser("eval", help="score a checkpoint: HellaSwag (acc, acc_norm) or bits per byte of a text",
+                       description="score a checkpoint under head 0: HellaSwag completion scoring (acc; acc_norm "
+                                   "divides each ending's log-prob by its length in characters) or bits per byte of "
+                                   "any UTF-8 text file (comparable across tokenizers); results go to evals.jsonl "
+                                   "beside the checkpoint")
+    e.add_argument("--ckpt", default="out/ckpt.npz", help="checkpoint file or run folder (default out/ckpt.npz)")
+    e.add_argument("--task", choices=("hellaswag", "bpb"), default="hellaswag", help="(default hellaswag)")
+    e.add_argument("--data", help="hellaswag: a JSONL file (default data/hellaswag_val.jsonl, from "
+                                  "data/get_hellaswag.sh); bpb: a text file (required)")
+    e.add_argument("--limit", type=int, help="hellaswag: score the first N items only (default all)")
+    g = sub.add_parser("plot", help="PNG of train/val loss against steps, tokens and wall time",
+                       description="PNG of the train and validation loss of one or more runs against steps, tokens "
+                                   "and wall time (needs matplotlib: pip install matplotlib)")
+    g.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (--out of train), overlaid")
+    g.add_argument("--out", default="loss.png", help="PNG file to write (default loss.png)")
     b = sub.add_parser("bench", help="training and sampling speed", description="training and sampling speed")
     pl.add_config_arg(b, "small")
     b.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
@@ -1019,7 +1083,7 @@ def main(argv=None):
             a.resume = True
         n_threads()
         {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft, "dpo": cmd_dpo,
-         "bench": cmd_bench, "export": cmd_export, "import": cmd_import}[a.mode](a)
+         "bench": cmd_bench, "eval": cmd_eval, "plot": cmd_plot, "export": cmd_export, "import": cmd_import}[a.mode](a)
     except pl.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -401,8 +401,9 @@ def test_sft_loss_mask_is_exact():
 def test_chat_ctrl_c_stops_only_the_answer(tmp_path, corpus):
     import signal
     out = tmp_path / "c"
-    assert _train(out, corpus, "--steps", 1).returncode == 0
-    # greedy, so the answer is the same every run (no early <|endoftext|>) and long enough to interrupt
+    assert _train(out, corpus, "medium", "--steps", 1).returncode == 0
+    # greedy, so the answer is the same every run (no early <|endoftext|>) and long enough to interrupt: the
+    # 10M model writes its 500 tokens in ~0.8 s (small wrote them in 0.2 s, and a loaded machine lost the race)
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler.py"), "chat", "--ckpt", str(out / "ckpt.npz"),
                           "--tokens", "500", "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -1,0 +1,258 @@
+"""
+evaluate.py -- engine-neutral evaluation and reports: run logs, loss-curve plots, bits per byte of any
+text, HellaSwag completion scoring and the report.md written at the end of a training run.
+
+Each engine hands in one function, logprobs_fn(seqs) -> [per-token head-0 log-probs], where seqs is a list
+of token-id lists of at most ctx ids and the k-th result, an array of len(seqs[k]) - 1 floats, holds
+log p(seqs[k][t + 1] | seqs[k][:t + 1]) for t = 0 .. len - 2. Everything else here is numpy (matplotlib is
+imported lazily, by plot only). Bad input raises pipeline.UserError.
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+import pipeline as pl
+
+LOG = "train_log.jsonl"
+EVALS = "evals.jsonl"
+DEFAULT_HELLASWAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag_val.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------
+# run logs
+
+def read_log(run_dir):
+    """A run folder's train_log.jsonl -> list of dicts (one per step). Missing/empty: UserError."""
+    if not os.path.isdir(run_dir):
+        raise pl.UserError(f"run folder not found: {run_dir}")
+    path = os.path.join(run_dir, LOG)
+    if not os.path.isfile(path):
+        raise pl.UserError(f"{run_dir} holds no {LOG}; give the --out folder of a training run")
+    recs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise pl.UserError(f"{path} line {n} is not JSON") from None
+            if isinstance(rec, dict) and "step" in rec and "loss" in rec:
+                recs.append(rec)
+    if not recs:
+        raise pl.UserError(f"{path} holds no steps; the run has not logged yet")
+    return recs
+
+
+def tokens_per_step(run_dir):
+    """batch x seq of the run, from its checkpoint's train_state; None when there is none."""
+    path = os.path.join(run_dir, "ckpt.npz")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            train = json.loads(str(z["train_state"]))["train"]
+        return int(train["batch"]) * int(train["seq"])
+    except Exception:                                   # no checkpoint, no state (SFT), damage: use the log
+        return None
+
+
+def curves(run_dir):
+    """-> dict of arrays: step, tokens, wall (s, cumulative ms), loss; val_step, val_tokens, val_wall, val_loss."""
+    recs = read_log(run_dir)
+    step = np.array([r["step"] for r in recs], float)
+    ms = np.array([r.get("ms", 0.0) for r in recs], float)
+    per_step = tokens_per_step(run_dir)
+    if per_step is not None:
+        tokens = step * per_step
+    else:                                               # tok_s x ms = tokens of each step
+        tokens = np.cumsum([r.get("tok_s", 0) * r.get("ms", 0.0) / 1e3 for r in recs])
+    wall = np.cumsum(ms) / 1e3
+    val = np.array([i for i, r in enumerate(recs) if r.get("val_loss") is not None], int)
+    return dict(step=step, tokens=tokens, wall=wall, loss=np.array([r["loss"] for r in recs], float),
+                val_step=step[val] if len(val) else step[:0], val_tokens=tokens[val] if len(val) else tokens[:0],
+                val_wall=wall[val] if len(val) else wall[:0],
+                val_loss=np.array([recs[i]["val_loss"] for i in val], float), recs=recs)
+
+
+def plot(run_dirs, out_png):
+    """Train (lines) and validation (markers) loss against steps, tokens and wall time; one colour per run."""
+    data = [(d, curves(d)) for d in run_dirs]           # every folder checked before matplotlib is needed
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise pl.UserError("plot needs matplotlib: pip install matplotlib") from None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for i, (d, c) in enumerate(data):
+        colour = f"C{i % 10}"
+        name = os.path.basename(os.path.normpath(d)) or d
+        for ax, key in zip(axes, ("step", "tokens", "wall")):
+            ax.plot(c[key], c["loss"], color=colour, lw=1, alpha=0.8, label=f"{name} train")
+            if len(c["val_loss"]):
+                ax.plot(c["val_" + key], c["val_loss"], "o--", color=colour, ms=4, label=f"{name} val")
+    for ax, label in zip(axes, ("steps", "tokens", "wall time (s)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("loss (head 0, nats)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+# ----------------------------------------------------------------------------------------------------
+# bits per byte
+
+def bpb(tok, text, logprobs_fn, ctx):
+    """Bits per byte of text: the head-0 negative log-likelihood (nats) summed over its tokens, / ln 2 /
+    the text's UTF-8 byte count. Windows of ctx tokens with a stride of ctx - 1 (no overlap of scored
+    tokens: a window's last token is the next one's first input): each token is predicted from the tokens
+    before it within its window, so context resets at every window (the first token of the text, which
+    has no context, is not scored). -> (bpb, nats per token, n tokens scored, n bytes)."""
+    ids = tok.encode(text)
+    n_bytes = len(text.encode("utf-8"))
+    if len(ids) < 2:
+        raise pl.UserError("the text is too short to score: it needs at least 2 tokens")
+    nll, n = 0.0, 0
+    starts = list(range(0, len(ids) - 1, ctx - 1))
+    for k in range(0, len(starts), 8):                  # 8 windows per call
+        seqs = [ids[s:s + ctx] for s in starts[k:k + 8]]
+        for lp in logprobs_fn(seqs):
+            nll -= float(np.sum(lp))
+            n += len(lp)
+    return nll / math.log(2) / n_bytes, nll / n, n, n_bytes
+
+
+# ----------------------------------------------------------------------------------------------------
+# HellaSwag
+
+def load_hellaswag(path, limit=None):
+    """HellaSwag JSONL (one object a line with ctx, endings (4 strings), label) -> list of dicts."""
+    if path is None:
+        path = DEFAULT_HELLASWAG
+        if not os.path.isfile(path):
+            raise pl.UserError("no HellaSwag data: run data/get_hellaswag.sh (or give --data FILE.jsonl)")
+    pl.existing_file(path, "data file")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ex = json.loads(line)
+                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+                assert isinstance(ctx, str) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
+                assert 0 <= label < len(endings)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise pl.UserError(f"{path} line {n} is not a HellaSwag item (ctx, endings, label)") from None
+            items.append(dict(ctx=ctx, endings=list(endings), label=label))
+            if limit and len(items) >= limit:
+                break
+    if not items:
+        raise pl.UserError(f"{path} holds no HellaSwag items")
+    return items
+
+
+def hellaswag_sequences(tok, item, ctx_len):
+    """-> ([ids of context + ending], [n ending tokens], truncated?) for each ending. The ending is scored
+    as " " + ending, tokenised apart from the context; a too-long context loses its first tokens."""
+    c = tok.encode(item["ctx"])
+    if not c:
+        raise pl.UserError("a HellaSwag item has an empty ctx: its first ending token would have no context")
+    seqs, ns, cut = [], [], False
+    for e in item["endings"]:
+        t = tok.encode(" " + e)[:ctx_len - 1]
+        keep = ctx_len - len(t)
+        cut |= len(c) > keep
+        seqs.append(c[-keep:] + t)
+        ns.append(len(t))
+    return seqs, ns, cut
+
+
+def hellaswag_item(tok, item, logprobs_fn, ctx_len):
+    """-> (sum log-prob of each ending, truncated?). acc picks argmax of the sums; acc_norm argmax of
+    sum / len(" " + ending) in characters (as lm-evaluation-harness does)."""
+    seqs, ns, cut = hellaswag_sequences(tok, item, ctx_len)
+    lps = logprobs_fn(seqs)
+    return [float(np.sum(lp[len(lp) - n:])) for lp, n in zip(lps, ns)], cut
+
+
+def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None):
+    """-> dict(acc, acc_norm, n, truncated, preds: [(pred, pred_norm, label)])."""
+    preds, n_cut = [], 0
+    for item in items:
+        sums, cut = hellaswag_item(tok, item, logprobs_fn, ctx_len)
+        if cut and not n_cut and warn:
+            warn(f"note: a context + ending is longer than the context of {ctx_len} tokens; the context keeps its "
+                 "last tokens (said once)")
+        n_cut += cut
+        norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
+        preds.append((int(np.argmax(sums)), int(np.argmax(norm)), item["label"]))
+    n = len(preds)
+    return dict(acc=sum(p == l for p, _, l in preds) / n, acc_norm=sum(q == l for _, q, l in preds) / n, n=n,
+                truncated=n_cut, preds=preds)
+
+
+def record_eval(ckpt, result):
+    """Append an eval result to evals.jsonl beside the checkpoint (report.md lists them)."""
+    folder = ckpt if os.path.isdir(ckpt) else os.path.dirname(os.path.abspath(ckpt))
+    rec = {k: v for k, v in result.items() if k != "preds"}
+    rec["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        with open(os.path.join(folder, EVALS), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError:
+        pass                                            # a read-only checkpoint folder: the scores were printed
+
+
+def read_evals(folder):
+    path = os.path.join(folder, EVALS)
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# report card
+
+def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU"):
+    """report.md in out_dir: config, parameters, tokens seen, wall time, tokens/s, model FLOP/s, final
+    validation loss and bpb, the sample, the loss-curve plot (if matplotlib) and eval scores (evals.jsonl)."""
+    recs = read_log(out_dir)
+    steps = recs[-1]["step"]
+    tokens = steps * args["batch"] * args["seq"]
+    wall = sum(r.get("ms", 0.0) for r in recs) / 1e3
+    n_params = pl.num_params(cfg)
+    flops = pl.model_flops_per_token(cfg, args["seq"])
+    rate = tokens / wall if wall > 0 else float("nan")
+    lines = [f"# Run report: {args.get('config', pl.config_name(cfg))}", "",
+             f"- engine: {engine}", f"- config: {args.get('config')} {cfg}", f"- parameters: {n_params:,}",
+             f"- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
+             f"- steps: {steps}", f"- tokens seen: {tokens:,} ({steps} steps x {args['batch']} x {args['seq']})",
+             f"- wall time: {wall:.1f} s (training steps, from {LOG})", f"- tokens/s: {rate:,.0f}",
+             f"- model FLOP/s: {rate * flops / 1e9:.2f} GFLOP/s ({flops:,} FLOPs per token; "
+             + ("MFU is a GPU notion" if engine == "CPU" else "see the engine for MFU") + ")",
+             f"- final validation loss: {val_loss:.4f}", f"- final validation bpb: {val_bpb:.4f}", "",
+             "## Sample", "", "```", sample, "```", "", "## Loss curves", ""]
+    try:
+        plot([out_dir], os.path.join(out_dir, "loss.png"))
+        lines.append("![loss curves](loss.png)")
+    except pl.UserError as e:
+        lines.append(f"(no plot: {e})")
+    lines += ["", "## Evaluations", ""]
+    evals = read_evals(out_dir)
+    if evals:
+        lines += [f"- {json.dumps(e)}" for e in evals]
+    else:
+        lines.append(f"none run yet (`nanoeuler.py eval --ckpt {out_dir} --task hellaswag|bpb` records them in "
+                     f"{EVALS})")
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path

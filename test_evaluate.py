@@ -1,0 +1,165 @@
+"""evaluate.py and the eval/plot modes: HellaSwag and bpb against independent computations, the plot and
+report of a real short run, the data script, and one error line for each bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bpe
+import evaluate
+import nanoeuler as ne
+import pipeline as pl
+
+ROOT = Path(__file__).resolve().parent
+FIX = ROOT / "data" / "fixtures" / "hellaswag_val.jsonl"
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = pl.get_config("tiny")
+    return pl.Params.init(cfg, 3), bpe.Tokenizer([])
+
+
+def _logp_by_hand(P, ids):
+    """Independent: one forward per sequence, numpy float64 log-softmax, the log-prob of each next id."""
+    logits = ne.forward(P, np.array([ids], np.int32)).astype(np.float64)
+    z = logits - logits.max(1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+    return np.array([logp[t, ids[t + 1]] for t in range(len(ids) - 1)])
+
+
+def test_hellaswag_fixture_item_for_item(model):
+    P, tok = model
+    items = evaluate.load_hellaswag(str(FIX))
+    assert len(items) == 5
+    r = evaluate.hellaswag(tok, items, ne.cpu_logprobs(P), P.cfg.ctx)
+    for item, (pred, pred_norm, label) in zip(items, r["preds"]):
+        c = tok.encode(item["ctx"])
+        sums = []
+        for e in item["endings"]:
+            t = tok.encode(" " + e)
+            ids = (c + t)[-P.cfg.ctx:]
+            sums.append(_logp_by_hand(P, ids)[-len(t):].sum())
+        norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
+        assert (pred, pred_norm, label) == (int(np.argmax(sums)), int(np.argmax(norm)), item["label"])
+    assert r["acc"] == np.mean([p == l for p, _, l in r["preds"]])
+    assert r["acc_norm"] == np.mean([q == l for _, q, l in r["preds"]])
+
+
+def test_hellaswag_long_context_truncated_once(model):
+    P, tok = model
+    item = dict(ctx="word " * 200, endings=["a b", "c d e f", "g", "h i j"], label=0)
+    notes = []
+    seqs, ns, cut = evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)
+    assert cut and all(len(s) == P.cfg.ctx for s in seqs)
+    r = evaluate.hellaswag(tok, [item, item], ne.cpu_logprobs(P), P.cfg.ctx, warn=notes.append)
+    assert len(notes) == 1 and r["truncated"] == 2
+
+
+@pytest.mark.parametrize("n_chars", [40, 500])          # within one window; several windows (ctx 64)
+def test_bpb_by_hand(model, n_chars):
+    P, tok = model
+    text = ("héllo wörld, the quick brown fox. " * 20)[:n_chars]
+    bpb, nats, n, n_bytes = evaluate.bpb(tok, text, ne.cpu_logprobs(P), P.cfg.ctx)
+    ids, T = tok.encode(text), P.cfg.ctx
+    nll = -sum(_logp_by_hand(P, ids[s:s + T]).sum() for s in range(0, len(ids) - 1, T - 1))
+    assert n == len(ids) - 1 and n_bytes == len(text.encode("utf-8"))
+    assert bpb == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-6)
+
+
+def _main(argv, capsys):
+    rc = ne.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_error(rc, err):
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines[0]
+
+
+def test_bad_inputs_one_error_line(tmp_path, capsys, monkeypatch, model):
+    P, tok = model
+    ckpt = tmp_path / "ckpt.npz"
+    pl.save_checkpoint(str(ckpt), P, tok)
+    monkeypatch.setattr(evaluate, "DEFAULT_HELLASWAG", str(tmp_path / "none.jsonl"))
+    assert "get_hellaswag.sh" in _one_error(*_main(["eval", "--ckpt", str(ckpt)], capsys)[::2])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "x"}\n')
+    for argv in (["eval", "--ckpt", str(ckpt), "--data", str(bad)],
+                 ["eval", "--ckpt", str(ckpt), "--data", str(tmp_path / "missing.jsonl")],
+                 ["eval", "--ckpt", str(ckpt), "--task", "bpb"],
+                 ["eval", "--ckpt", str(ckpt), "--task", "bpb", "--data", str(tmp_path / "missing.txt")],
+                 ["eval", "--ckpt", str(tmp_path / "nockpt.npz"), "--data", str(FIX)],
+                 ["eval", "--ckpt", str(ckpt), "--data", str(FIX), "--limit", "0"],
+                 ["plot", str(tmp_path / "no_run")],
+                 ["plot", str(tmp_path)]):                # a folder without train_log.jsonl
+        _one_error(*_main(argv, capsys)[::2])
+    rc, out, err = _main(["eval", "--ckpt", str(ckpt), "--data", str(FIX), "--limit", "2"], capsys)
+    assert rc == 0 and out.strip().splitlines()[-1].startswith("hellaswag: 2 items | acc ")
+    assert "acc_norm" in out.strip().splitlines()[-1]
+    assert json.loads((tmp_path / "evals.jsonl").read_text().splitlines()[-1])["n"] == 2
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch):
+    (tmp_path / "train_log.jsonl").write_text('{"step": 1, "loss": 5.0, "ms": 10, "tok_s": 100}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    with pytest.raises(pl.UserError, match="pip install matplotlib"):
+        evaluate.plot([str(tmp_path)], str(tmp_path / "x.png"))
+
+
+def test_train_writes_report_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+    data = tmp_path / "text.txt"
+    data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
+    env = dict(os.environ, NANOEULER_CACHE=str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "nanoeuler.py", "train", "tiny", "--steps", "4", "--batch", "2", "--seq", "16",
+                        "--eval-every", "2", "--sample-every", "0", "--data", str(data), "--out", str(run)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = (run / "report.md").read_text()
+    for want in ("parameters: 75,488", "tokens seen: 128", "GFLOP/s", "final validation loss", "## Sample",
+                 "![loss curves](loss.png)"):
+        assert want in report, want
+    png = tmp_path / "plot.png"
+    r = subprocess.run([sys.executable, "nanoeuler.py", "plot", str(run), str(run), "--out", str(png)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = image.imread(str(png))
+    assert img.shape[0] > 100 and img.shape[1] > 300 and img[..., :3].std() > 0.01   # not blank
+    c = evaluate.curves(str(run))
+    assert list(c["step"]) == [1, 2, 3, 4] and list(c["tokens"]) == [32, 64, 96, 128]
+    assert list(c["val_step"]) == [2, 4] and np.all(np.diff(c["wall"]) >= 0)
+
+
+def _script(out, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("HELLASWAG_SOURCE", "OUT", "FORCE")}
+    e.update(OUT=str(out), PYTHON=sys.executable, **{k: str(v) for k, v in env.items()})
+    return subprocess.run(["bash", str(ROOT / "data" / "get_hellaswag.sh")], env=e, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_get_hellaswag_fixture_idempotent_and_bad_source(tmp_path):
+    out = tmp_path / "h.jsonl"
+    r = _script(out, HELLASWAG_SOURCE=FIX)
+    assert r.returncode == 0 and "5 items" in r.stdout and out.read_bytes() == FIX.read_bytes()
+    os.utime(out, ns=(10**18, 10**18))
+    r = _script(out, HELLASWAG_SOURCE=FIX)
+    assert r.returncode == 0 and "already exists" in r.stdout and out.stat().st_mtime_ns == 10**18
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ctx": "a", "endings": ["x"], "label": 0}\n')
+    for src in (bad, tmp_path / "nothing.jsonl"):
+        o = tmp_path / "b.jsonl"
+        r = _script(o, HELLASWAG_SOURCE=src)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and not o.exists(), r.stderr
+        assert not list(tmp_path.glob("*.tmp"))
