@@ -15,7 +15,7 @@ SRC=${ALPACA_SOURCE:-https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca
 OUT=${OUT:-$here/alpaca.json}
 PYTHON=${PYTHON:-python3}
 
-die() { echo "error: $*" >&2; exit 1; }
+. "$here/fetch.sh"          # die, fetch
 
 if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
   echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to download again"
@@ -26,21 +26,7 @@ mkdir -p "$(dirname "$OUT")"
 tmp="$OUT.$$.tmp"
 trap 'rm -f "$tmp"' EXIT
 
-if [[ $SRC =~ ^[a-zA-Z][a-zA-Z0-9+.-]*:// ]]; then
-  echo "downloading $SRC"
-  rc=0
-  curl -fsL --retry 3 --retry-delay 2 --connect-timeout 20 --max-time 600 -o "$tmp" "$SRC" || rc=$?
-  case $rc in
-    0) ;;
-    22) die "cannot download $SRC (HTTP error: wrong URL or mirror?)" ;;
-    *) die "cannot download $SRC (curl exit $rc; offline?)" ;;
-  esac
-elif [[ -f $SRC ]]; then
-  cp "$SRC" "$tmp"
-else
-  die "ALPACA_SOURCE=$SRC: no such file"
-fi
-[[ -s $tmp ]] || die "$SRC is empty"
+fetch ALPACA_SOURCE "$tmp"
 
 # validate; prints the number of examples
 n=$("$PYTHON" - "$tmp" "$SRC" <<'EOF'

@@ -20,7 +20,7 @@ SRC=${PREFS_SOURCE:-https://huggingface.co/datasets/Anthropic/hh-rlhf/resolve/ma
 OUT=${OUT:-$here/prefs.jsonl}
 PYTHON=${PYTHON:-python3}
 
-die() { echo "error: $*" >&2; exit 1; }
+. "$here/fetch.sh"          # die, fetch
 
 [[ $MAX =~ ^[0-9]+$ ]] || die "MAX_PAIRS must be a whole number (0: all), got '$MAX'"
 if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
@@ -33,21 +33,7 @@ tmp="$OUT.$$.tmp"
 raw="$OUT.$$.src.tmp"
 trap 'rm -f "$tmp" "$raw"' EXIT
 
-if [[ $SRC =~ ^[a-zA-Z][a-zA-Z0-9+.-]*:// ]]; then
-  echo "downloading $SRC"
-  rc=0
-  curl -fsL --retry 3 --retry-delay 2 --connect-timeout 20 --max-time 600 -o "$raw" "$SRC" || rc=$?
-  case $rc in
-    0) ;;
-    22) die "cannot download $SRC (HTTP error: wrong URL or mirror?)" ;;
-    *) die "cannot download $SRC (curl exit $rc; offline?)" ;;
-  esac
-elif [[ -f $SRC ]]; then
-  cp "$SRC" "$raw"
-else
-  die "PREFS_SOURCE=$SRC: no such file"
-fi
-[[ -s $raw ]] || die "$SRC is empty"
+fetch PREFS_SOURCE "$raw"
 
 "$PYTHON" - "$raw" "$tmp" "$SRC" "$MAX" <<'EOF'
 import gzip, json, sys
