@@ -1,6 +1,18 @@
-# data/fetch.sh -- sourced by get_alpaca.sh, get_prefs.sh and get_hellaswag.sh: the step they share.
+# data/fetch.sh -- sourced by get_alpaca.sh, get_prefs.sh and get_hellaswag.sh: the steps they share.
 
 die() { echo "error: $*" >&2; exit 1; }
+
+# begin_output: stop here when $OUT is there already (FORCE=1 makes it again); else $tmp is the file to
+# write, removed on exit unless the script moves it to $OUT.
+begin_output() {
+  if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
+    echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to download again"
+    exit 0
+  fi
+  mkdir -p "$(dirname "$OUT")"
+  tmp="$OUT.$$.tmp"
+  trap 'rm -f "$tmp"' EXIT
+}
 
 # fetch VAR DEST: download $SRC (a URL) or copy it (a local file) to DEST; VAR names the environment
 # variable that sets SRC, for the message when it names nothing.

@@ -15,16 +15,9 @@ SRC=${ALPACA_SOURCE:-https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca
 OUT=${OUT:-$here/alpaca.json}
 PYTHON=${PYTHON:-python3}
 
-. "$here/fetch.sh"          # die, fetch
+. "$here/fetch.sh"          # die, begin_output, fetch
 
-if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
-  echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to download again"
-  exit 0
-fi
-
-mkdir -p "$(dirname "$OUT")"
-tmp="$OUT.$$.tmp"
-trap 'rm -f "$tmp"' EXIT
+begin_output
 
 fetch ALPACA_SOURCE "$tmp"
 

@@ -16,16 +16,9 @@ SRC=${HELLASWAG_SOURCE:-https://raw.githubusercontent.com/rowanz/hellaswag/maste
 OUT=${OUT:-$here/hellaswag_val.jsonl}
 PYTHON=${PYTHON:-python3}
 
-. "$here/fetch.sh"          # die, fetch
+. "$here/fetch.sh"          # die, begin_output, fetch
 
-if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
-  echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to download again"
-  exit 0
-fi
-
-mkdir -p "$(dirname "$OUT")"
-tmp="$OUT.$$.tmp"
-trap 'rm -f "$tmp"' EXIT
+begin_output
 
 fetch HELLASWAG_SOURCE "$tmp"
 
