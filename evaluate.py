@@ -31,17 +31,8 @@ def read_log(run_dir):
     path = os.path.join(run_dir, LOG)
     if not os.path.isfile(path):
         raise pl.UserError(f"{run_dir} holds no {LOG}; give the --out folder of a training run")
-    recs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise pl.UserError(f"{path} line {n} is not JSON") from None
-            if isinstance(rec, dict) and "step" in rec and "loss" in rec:
-                recs.append(rec)
+    recs = [rec for _, rec in pl.read_jsonl(path, "run log")
+            if isinstance(rec, dict) and "step" in rec and "loss" in rec]
     if not recs:
         raise pl.UserError(f"{path} holds no steps; the run has not logged yet")
     return recs
@@ -137,22 +128,17 @@ def load_hellaswag(path, limit=None):
         path = DEFAULT_HELLASWAG
         if not os.path.isfile(path):
             raise pl.UserError("no HellaSwag data: run data/get_hellaswag.sh (or give --data FILE.jsonl)")
-    pl.existing_file(path, "data file")
     items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ex = json.loads(line)
-                ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-                assert isinstance(ctx, str) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
-                assert 0 <= label < len(endings)
-            except (ValueError, KeyError, TypeError, AssertionError):
-                raise pl.UserError(f"{path} line {n} is not a HellaSwag item (ctx, endings, label)") from None
-            items.append(dict(ctx=ctx, endings=list(endings), label=label))
-            if limit and len(items) >= limit:
-                break
+    for n, ex in pl.read_jsonl(path, "data file"):
+        try:
+            ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
+            assert isinstance(ctx, str) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
+            assert 0 <= label < len(endings)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise pl.UserError(f"{path} line {n} is not a HellaSwag item (ctx, endings, label)") from None
+        items.append(dict(ctx=ctx, endings=list(endings), label=label))
+        if limit and len(items) >= limit:
+            break
     if not items:
         raise pl.UserError(f"{path} holds no HellaSwag items")
     return items
@@ -233,7 +219,7 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU"):
     rate = tokens / wall if wall > 0 else float("nan")
     lines = [f"# Run report: {args.get('config', pl.config_name(cfg))}", "",
              f"- engine: {engine}", f"- config: {args.get('config')} {cfg}", f"- parameters: {n_params:,}",
-             f"- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
+             "- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
              f"- steps: {steps}", f"- tokens seen: {tokens:,} ({steps} steps x {args['batch']} x {args['seq']})",
              f"- wall time: {wall:.1f} s (training steps, from {LOG})", f"- tokens/s: {rate:,.0f}",
              f"- model FLOP/s: {rate * flops / 1e9:.2f} GFLOP/s ({flops:,} FLOPs per token; "

@@ -372,14 +372,18 @@ def mtp_loss(logits, targets, n_mtp, mtp_weight, want_grad=True, counts=None):
 
 # --- DPO: a sequence's log-prob under head 0, summed over its counted targets (CONTRACT.md "DPO") ---
 
+def token_logp(z, t):
+    """z (N, V) head-0 logits, t (N,) targets, -1 not counted -> (log softmax(z_n)[t_n], 0 where t_n < 0, (N,)
+    float64; the log-sum-exp (N,) for the backward)."""
+    m = z.max(1)
+    lse = m + np.log(np.exp(z - m[:, None]).sum(1, dtype=np.float64))           # log-sum-exp, (N,) float64
+    return np.where(t >= 0, z[np.arange(len(t)), np.maximum(t, 0)] - lse, 0.0), lse
+
+
 def seq_logp_forward(logits, targets, V):
     """logits (N, n_mtp*V), head 0 in [:, :V]; targets (B, T), N = B*T, -1 not counted.
     -> (logp (B,) float64, the sum over t of log softmax(logits_t)[targets_t]; lse (N,) for the backward)."""
-    z = logits[:, :V]
-    m = z.max(1)
-    lse = m + np.log(np.exp(z - m[:, None]).sum(1, dtype=np.float64))           # log-sum-exp, (N,) float64
-    t = targets.reshape(-1)
-    logp = np.where(t >= 0, z[np.arange(len(t)), np.maximum(t, 0)] - lse, 0.0)   # (N,)
+    logp, lse = token_logp(logits[:, :V], targets.reshape(-1))
     return logp.reshape(targets.shape).sum(1), lse
 
 
@@ -856,9 +860,7 @@ def cmd_train(a):
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
-    ids = tok.encode("\n")
-    sample = tok.decode(ids + list(gen(ids, 200, np.random.default_rng(args["seed"]))))
-    print("--- sample ---\n" + sample + "\n--------------", flush=True)
+    sample = pl.print_sample(tok, gen, "\n", 200, seed=args["seed"])
     import evaluate
     print(f"report: {evaluate.write_report(a.out, args, P.cfg, loss, bpb, sample)}")
 
@@ -870,13 +872,12 @@ def cpu_logprobs(P):
         T = max(len(s) for s in seqs)
         if T > P.cfg.ctx:
             raise ValueError(f"a sequence of {T} tokens is longer than the context of {P.cfg.ctx}")
-        idx = np.zeros((len(seqs), T), np.int32)
+        idx, targets = np.zeros((len(seqs), T), np.int32), np.full((len(seqs), T), -1)
         for r, s in enumerate(seqs):
-            idx[r, :len(s)] = s
-        logits = forward(P, idx).reshape(len(seqs), T, -1).astype(np.float64)
-        m = logits.max(-1, keepdims=True)
-        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
-        return [logp[r, np.arange(len(s) - 1), s[1:]] for r, s in enumerate(seqs)]
+            idx[r, :len(s)], targets[r, :len(s) - 1] = s, s[1:]
+        logp, _ = token_logp(forward(P, idx).astype(np.float64), targets.reshape(-1))
+        logp = logp.reshape(len(seqs), T)
+        return [logp[r, :len(s) - 1] for r, s in enumerate(seqs)]
     return fn
 
 

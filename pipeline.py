@@ -244,6 +244,22 @@ def existing_file(path, what):
     return path
 
 
+def read_jsonl(path, what):
+    """Yields (line number, object) of a JSONL file, blank lines skipped; a missing file, non-UTF-8 text or a
+    line that is not JSON raises UserError naming it."""
+    with open(existing_file(path, what), encoding="utf-8") as f:
+        try:
+            lines = list(f)
+        except UnicodeDecodeError as e:
+            raise UserError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path} line {n} is not JSON ({e})") from None
+
+
 def read_text(path):
     """A corpus file as str; missing, empty or non-text files raise UserError."""
     with open(existing_file(path, "data file"), "rb") as f:
@@ -719,18 +735,7 @@ def load_prefs(path):
     if path is None:
         return builtin_prefs()
     pairs = []
-    with open(existing_file(path, "preference data"), encoding="utf-8") as f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError as e:
-            raise UserError(f"preference data {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path} line {n} is not JSON ({e})") from None
+    for n, d in read_jsonl(path, "preference data"):
         where = f"{path} line {n}"
         if not isinstance(d, dict):
             raise UserError(f"{where} is not an object with prompt, chosen and rejected")
@@ -1086,10 +1091,11 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
 
 
 def print_sample(tok, generate_fn, prompt, n, seed=0):
-    """A sample in a frame, for progress output: generate_fn(ids, n, rng) yields ids."""
+    """A sample in a frame, for progress output: generate_fn(ids, n, rng) yields ids. -> the sample's text."""
     ids = tok.encode(prompt)
-    out = list(generate_fn(ids, n, np.random.default_rng(seed)))
-    print("--- sample ---\n" + tok.decode(ids + out) + "\n--------------", flush=True)
+    text = tok.decode(ids + list(generate_fn(ids, n, np.random.default_rng(seed))))
+    print("--- sample ---\n" + text + "\n--------------", flush=True)
+    return text
 
 
 # The small model's defaults: on the embedded corpus (~215K tokens) validation loss is lowest near 1000
