@@ -847,7 +847,8 @@ def cmd_train(a):
     name = a.config or "small"
     defaults = dict(pl.TRAIN_DEFAULTS, config=name, **({"lr": 1e-3} if name != "small" else {}))
     P, tok, tokens, args, state, extra = pl.start_run(a, defaults, a.resume)
-    batches = pl.Batches(tokens, args["batch"], args["seq"], seed=args["seed"])
+    # --grad-accum K: this engine takes the K micro-batches as one batch of K x batch rows (the same mean gradient)
+    batches = pl.Batches(tokens, args["batch"] * args["grad_accum"], args["seq"], seed=args["seed"])
     if state is not None:
         batches.set_state(state["data"])
     bpt = pl.bytes_per_token(tok, tokens)

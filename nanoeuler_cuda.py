@@ -2001,6 +2001,7 @@ class Model:
         self.P = params if params is not None else DeviceParams(cfg)
         self.G = DeviceParams(cfg) if train else None
         self.Pb = DeviceParams(cfg, dtype=BF) if self.bf else None
+        self.on_grads = None        # several GPUs: distributed.ZeRO's hook, see _grads_done
         self._inputs()
         (self._alloc_bf16 if self.bf else self._alloc_fp32)()
 
@@ -2165,6 +2166,7 @@ class Model:
         mm(G.rows(*heads), self.logits, self.hf, ta=True)                   # dHeads = dlogits^T hf
         mm(self.dh, self.logits, P.rows(*heads))                            # dhf = dlogits Heads
         rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False)
+        self._grads_done("norm")
         for l in reversed(range(L)):
             p = f"layers.{l}."
             # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
@@ -2186,7 +2188,15 @@ class Model:
             mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
             mm(self.dh, self.dqkv, P.rows(p + "wq", p + "wv"))
             rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part)
+            self._grads_done(p + "attn_norm")
         embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
+        self._grads_done("tok_emb")
+
+    def _grads_done(self, name):
+        """Every gradient from tensor `name` to the end of the flat layout is final: on several GPUs the hook
+        (distributed.ZeRO.reduce) starts reducing them while the backward goes on."""
+        if self.on_grads is not None:
+            self.on_grads(self.G.offsets[name][0])
 
     # --- the bf16 path: bf16 GEMM inputs (Pb, activations), fp32 accumulation, fp32 residual stream ---
     def _forward_bf16(self, want_loss, want_grad):
@@ -2233,6 +2243,7 @@ class Model:
         L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False,
                     dxb=self.dxb)
+        self._grads_done("norm")
         for l in reversed(range(L)):
             p = f"layers.{l}."
             # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
@@ -2252,7 +2263,9 @@ class Model:
             mm(self.dh, self.dqkv, Pb.rows(p + "wq", p + "wv"))
             rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part,
                         dxb=self.dxb if l else None)
+            self._grads_done(p + "attn_norm")
         embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
+        self._grads_done("tok_emb")
 
     def losses(self):
         """(objective, per-head CE) from the device (a sync)."""
@@ -2270,13 +2283,15 @@ class Model:
 # optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device
 
 class AdamW:
-    def __init__(self, P, G, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0, Pb=None):
+    def __init__(self, P, G, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0, Pb=None, shard=None):
         """P, G: DeviceParams of the weights and their gradients (updated in place); Pb: the bf16 copy of P
-        (the bf16 path), rewritten by the same kernel pass."""
+        (the bf16 path), rewritten by the same kernel pass. shard: ZeRO-1 on several GPUs (distributed.ZeRO), the
+        size of this rank's shard of the moments, which it updates piece by piece with update()."""
         cfg = P.cfg
         self.P, self.G, self.beta1, self.beta2, self.eps, self.wd, self.clip = P, G, beta1, beta2, eps, weight_decay, clip
         self.Pb = Pb
-        self.m, self.v = DeviceParams(cfg), DeviceParams(cfg)
+        self.m, self.v = ((DeviceParams(cfg), DeviceParams(cfg)) if shard is None else
+                          (cp.zeros(shard, np.float32), cp.zeros(shard, np.float32)))
         self.step_count = 0
         self.nblk = 1024
         self.part = cp.zeros(self.nblk, np.float64)
@@ -2300,23 +2315,32 @@ class AdamW:
             return 0.0 if o < D or self.ffn_off <= o < self.ffn_off + D else 1.0
         return 0.0 if end <= i < end + D else 1.0
 
-    def grad_norm(self, g):
+    def grad_norm(self, g, reduce=None):
+        """self.norm = the L2 norm of g: float64 partial sums, then their sum in a fixed order. reduce(part), on
+        several GPUs, first adds each partial sum over the ranks (g is then one rank's shard)."""
         n = g.size
         _k("sumsq_partial")((self.nblk,), (256,), (g, np.int64(n), self.part))
+        if reduce is not None:
+            reduce(self.part)
         _k("sumsq_final")((1,), (32,), (self.part, I32(self.nblk), self.norm))
 
     def step(self, lr):
         """Clips the global gradient norm to self.clip and updates the parameters (all on the device)."""
-        P, G, cfg = self.P.flat, self.G.flat, self.P.cfg
-        self.grad_norm(G)
+        self.grad_norm(self.G.flat)
         self.step_count += 1
+        self.update(self.P.flat, self.G.flat, self.m.flat, self.v.flat, None if self.Pb is None else self.Pb.flat, lr)
+
+    def update(self, p, g, m, v, pb, lr, first=0):
+        """One fused AdamW pass, clipped by self.norm, over a range of the flat layout that starts at element
+        `first` (p, g, m, v and the bf16 copy pb or None: that range of each); the decay mask moves with it."""
+        cfg = self.P.cfg
         bc1, bc2 = 1.0 - self.beta1 ** self.step_count, 1.0 - self.beta2 ** self.step_count
-        head = (P, G, self.m.flat, self.v.flat) + ((self.Pb.flat,) if self.Pb is not None else ())
-        _k("adamw_bf16" if self.Pb is not None else "adamw")(
-            (132 * 8,), (256,), head + (self.norm, np.int64(P.size), F32(lr), F32(self.beta1), F32(self.beta2),
+        head = (p, g, m, v) + ((pb,) if pb is not None else ())
+        _k("adamw_bf16" if pb is not None else "adamw")(
+            (132 * 8,), (256,), head + (self.norm, np.int64(p.size), F32(lr), F32(self.beta1), F32(self.beta2),
                                         F32(self.eps), F32(self.wd), F32(bc1), F32(bc2), F32(self.clip),
-                                        np.int64(self.layers_start), np.int64(self.layer_size), I32(cfg.n_layers),
-                                        np.int64(self.ffn_off), I32(cfg.dim)))
+                                        np.int64(self.layers_start - first), np.int64(self.layer_size),
+                                        I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2342,24 +2366,51 @@ def default_data():
 class Trainer:
     """nanoeuler.train_loop's engine interface on the GPU. step() only queues work on the device: each
     step's per-head CE and gradient norm are copied into a row of a device history, and results() reads
-    the rows since its last call in one transfer, the loop's only host sync (once per log interval)."""
+    the rows since its last call in one transfer, the loop's only host sync (once per log interval).
+    accum: micro-batches per step (x holds accum x B rows), their gradients and losses averaged; one GPU adds
+    them up in opt.G, its own buffer. dp: a distributed.ZeRO (several GPUs), which reduces the gradients as
+    the backward makes them and runs the sharded update."""
     sync_every_step = False
 
-    def __init__(self, model, opt):
-        self.model, self.opt, self.n = model, opt, 0
+    def __init__(self, model, opt, accum=1, dp=None):
+        self.model, self.opt, self.accum, self.dp, self.n = model, opt, accum, dp, 0
+        self.rank, self.world = (dp.rank, dp.world) if dp is not None else (0, 1)
         self.hist = cp.zeros((64, model.cfg.n_mtp + 1), np.float32)
 
     def step(self, x, y, lr):
-        m, K = self.model, self.model.cfg.n_mtp
-        m.set_batch(x, y, want_grad=True)
-        m.forward(want_loss=True, want_grad=True)
-        m.backward()
-        self.opt.step(lr)
+        m, K, A, B = self.model, self.model.cfg.n_mtp, self.accum, self.model.B
         if self.n == len(self.hist):
             self.hist = cp.concatenate([self.hist, cp.zeros_like(self.hist)])
-        self.hist[self.n, :K] = m.ce
+        loss = self.hist[self.n, :K]
+        for i in range(A):
+            if i and self.dp is not None:
+                self.dp.wait_reduced()                 # the last micro-step's reductions have read m.G
+            m.set_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B], want_grad=True)
+            m.forward(want_loss=True, want_grad=True)
+            m.backward()
+            if i == 0:
+                loss[...] = m.ce
+            else:
+                loss += m.ce
+            if A > 1 and self.dp is None:              # one GPU: g1 + g2 + .. in opt.G
+                if i == 0:
+                    self.opt.G.flat[...] = m.G.flat
+                else:
+                    self.opt.G.flat += m.G.flat
+        if A > 1:
+            loss *= 1.0 / A
+            if self.dp is None:
+                self.opt.G.flat *= 1.0 / A
+        if self.dp is not None:
+            self.dp.step(self.opt, lr, loss)
+        else:
+            self.opt.step(lr)
         self.hist[self.n, K:] = self.opt.norm
         self.n += 1
+
+    def any_rank(self, flag):
+        """Several GPUs: True on every rank if flag is True on any (a collective)."""
+        return self.dp.any(flag)
 
     def results(self):
         rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
@@ -2368,20 +2419,32 @@ class Trainer:
                 for r in rows]
 
     def host_state(self):
+        """(weights, m, v) as host Params; several GPUs: a collective, None on ranks other than 0."""
+        if self.dp is not None:
+            return self.dp.host_state(self.model, self.opt)
         return self.model.P.download(), self.opt.m.download(), self.opt.v.download()
 
 
-def make_trainer(P, B, T, attn, state=None, precision="bf16"):
-    """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer."""
-    model = Model(P.cfg, B, T, attn=attn, precision=precision)
+def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None):
+    """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer,
+    with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks."""
+    import distributed
+    dp = None if group is None else distributed.ZeRO(sys.modules[__name__], group, P.cfg, accum)
+    model = Model(P.cfg, B, T, attn=attn, precision=precision, params=dp and dp.params())
     model.load(P)
-    opt = AdamW(model.P, model.G, Pb=model.Pb)
+    if dp is not None:
+        dp.attach(model)
+    G = model.G if accum == 1 or dp is not None else DeviceParams(P.cfg)   # one GPU adds micro-batches up in G
+    opt = AdamW(model.P, G, Pb=model.Pb, shard=dp and dp.S)
     if state is not None:
-        opt.m.upload(state["adam_m"])
-        opt.v.upload(state["adam_v"])
+        if dp is not None:
+            dp.load_moments(opt, state["adam_m"], state["adam_v"])
+        else:
+            opt.m.upload(state["adam_m"])
+            opt.v.upload(state["adam_v"])
         opt.step_count = state["step"]
     set_tf32(precision == "tf32")
-    return Trainer(model, opt)
+    return Trainer(model, opt, accum, dp)
 
 
 PRECISION_WORDS = {"bf16": "bf16 mixed precision (fp32 master weights), bf16 tensor-core flash attention",
@@ -2396,23 +2459,46 @@ def cmd_train(argv, resume):
     pl.add_train_flags(p, out="out/gpu", defaults=defaults)
     p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
     add_precision_flag(p, "bf16; a resumed run keeps its own")
+    import distributed
+    distributed.add_gpus_flag(p)
     a = p.parse_args(argv)
     a.config, resume = pl.config_arg(a), resume or a.resume
+    if distributed.launching(a.gpus):               # --gpus N: N ranks of this same command, one per GPU
+        return distributed.launch(a.gpus, [sys.executable, os.path.abspath(__file__),
+                                           "resume" if resume else "train", *argv])
+    group = distributed.join(a.gpus)               # one rank of a run (its environment): picks its GPU
+    if group is None:
+        return train(a, defaults, resume)
+    group.run(lambda: train(a, defaults, resume, group))   # ends the process
+
+
+def train(a, defaults, resume, group=None):
+    """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
     gpu()
-    P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
-    B, T = args["batch"], args["seq"]
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    import distributed
+    with distributed.rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
+        P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
+    B, T, A = args["batch"], args["seq"], args["grad_accum"]
     if state is not None and "precision" not in state["train"] and a.precision is None:
         args["precision"] = "tf32"                  # a run from before --precision trained in TF32: keep it
     # the precision is part of the run's arguments (saved in the checkpoint's train_state, kept on resume);
     # only the default may fall back to tf32 where bf16 cannot run
     args["precision"] = check_precision(args["precision"], P.cfg, args["attn"],
                                         explicit=a.precision is not None or state is not None)
-    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"])
-    print(f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
-          f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    batches = pl.Batches(tokens, B, T, seed=args["seed"])
+    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group)
+    line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
+            f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    if world * A > 1:
+        line += (f"; global batch {world * A * B} sequences: {world} GPU(s) x {A} micro-batch(es) x {B}"
+                 + (", ZeRO-1" if world > 1 else ""))
+    print(line)
+    batches = pl.Batches(tokens, A * B, T, seed=args["seed"], rank=rank, world=world)
     if state is not None:
         batches.set_state(state["data"])
+    if rank:                                        # the other ranks train, and that is all
+        pl.train_loop(trainer, tok, batches, args, a.out, None, extra, start=state["step"] if state else 0)
+        return
     bpt = pl.bytes_per_token(tok, tokens)
     val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
     sampler = Sampler(trainer.model.P)
@@ -3039,24 +3125,17 @@ def _time(fn, reps, warmup=2):
     return float(np.median(times))
 
 
-def bench_step(cfg, B, T, attn, steps, precision):
-    """-> (ms per step, peak pool bytes, host ms to queue a step, objective)."""
+def bench_step(cfg, B, T, attn, steps, precision, P=None, group=None):
+    """-> (ms per step, peak pool bytes, host ms to queue a step, objective). The training step of make_trainer
+    on weights P (default the contract's init); group: data parallel over its ranks (ZeRO-1), B rows per GPU."""
     import time
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     used0 = pool.total_bytes()
-    set_tf32(precision == "tf32")
-    model = Model(cfg, B, T, attn=attn, precision=precision)
-    model.load(pl.Params.init(cfg))
-    opt = AdamW(model.P, model.G, Pb=model.Pb)
+    trainer = make_trainer(pl.Params.init(cfg) if P is None else P, B, T, attn, precision=precision, group=group)
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab, (B, T)).astype(np.int32) for _ in range(2))
-
-    def step():
-        model.set_batch(x, y, want_grad=True)
-        model.forward(want_loss=True, want_grad=True)
-        model.backward()
-        opt.step(1e-4)
+    step = lambda: trainer.step(x, y, 1e-4)
 
     for _ in range(3):
         step()
@@ -3075,8 +3154,8 @@ def bench_step(cfg, B, T, attn, steps, precision):
     b.synchronize()
     ms = cp.cuda.get_elapsed_time(a, b) / steps
     peak = pool.total_bytes() - used0
-    obj = model.losses()[0]
-    model = opt = None                                  # free the run's buffers before the next one
+    obj = trainer.model.losses()[0]
+    trainer = None                                      # free the run's buffers before the next one
     pool.free_all_blocks()
     return ms, peak, 1e3 * float(np.median(host)), obj
 
@@ -3111,6 +3190,48 @@ def bench_attention(B=16, Hq=12, Hkv=4, T=512, hd=64, reps=20):
     return res
 
 
+def bench_scaling(a, cfg, batches, T, precisions, group):
+    """bench --gpus N, on each rank: per batch size, the training step on one GPU (every rank alone on its own GPU,
+    at the same time), then on all N (ZeRO-1, B rows per GPU). Rank 0 prints tokens/s of all GPUs, the speed-up,
+    and MFU and peak pool memory per GPU."""
+    gpu()
+    W, P = group.world, pl.Params.init(cfg)
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    fpt = pl.model_flops_per_token(cfg, T)
+    print(f"bench --gpus {W} on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}; {a.steps} steps "
+          f"after 3 warm-up steps; tokens/s of all GPUs, MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s) and peak memory per GPU",
+          flush=True)
+    rows = []
+    for prec in precisions:
+        for B in batches:
+            runs = []
+            for g in (None, group):
+                ms, peak, host, obj = bench_step(cfg, B, T, "flash", a.steps, prec, P, g)
+                n = 1 if g is None else W
+                runs.append(dict(gpus=n, ms=ms, tok_s=n * B * T / ms * 1e3, peak_gib=peak / 2 ** 30, host_ms=host,
+                                 mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS))
+                group.barrier()                     # every GPU alone first, then all together
+            rows.append(dict(precision=prec, B=B, T=T, one=runs[0], all=runs[1],
+                             speedup=runs[1]["tok_s"] / runs[0]["tok_s"]))
+            print(f"  {prec} B={B}: 1 GPU {runs[0]['tok_s']:,.0f} tokens/s, {W} GPUs {runs[1]['tok_s']:,.0f} tokens/s "
+                  f"({rows[-1]['speedup']:.2f}x)", flush=True)
+    print(f"\ntraining step, {a.config}, T={T}, B per GPU:")
+    head = "ms/step  tokens/s   MFU  peak GiB"
+    print(f"{'run':<14}| 1 GPU: {head} | {W} GPUs: {head} | speed-up")
+    for r in rows:
+        cols = [f"{x['ms']:7.2f}{x['tok_s']:10,.0f}{100 * x['mfu']:6.1f}%{x['peak_gib']:9.2f}" for x in (r["one"], r["all"])]
+        print(f"{r['precision'] + ' B=' + str(r['B']):<14}|        {cols[0]} |{' ' * (len(str(W)) + 8)}{cols[1]} | "
+              f"{r['speedup']:.2f}x")
+    for prec in precisions:
+        best = max((r for r in rows if r["precision"] == prec), key=lambda r: r["one"]["tok_s"])
+        print(f"{prec}: at the best single-GPU batch, B={best['B']}, {W} GPUs give {best['speedup']:.2f}x the tokens/s "
+              f"of one ({best['all']['tok_s']:,.0f} against {best['one']['tok_s']:,.0f})")
+    if a.json and group.rank == 0:
+        import json
+        with open(a.json, "w") as f:
+            json.dump(dict(device=name, gpus=W, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows), f, indent=1)
+
+
 def cmd_bench(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py bench", description="training speed per precision: tokens/s, ms/step, "
                   "MFU, peak memory; attention forward + backward alone")
@@ -3122,6 +3243,10 @@ def cmd_bench(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive-attention runs")
     p.add_argument("--json", help="also write the results to this file (default: none)")
+    import distributed
+    p.add_argument("--gpus", type=int, metavar="N", help="the training step on one GPU and on N (data parallel, "
+                   "ZeRO-1; B per GPU): tokens/s of each, the speed-up, MFU and memory per GPU (default: one GPU, "
+                   "the usual tables); bf16 only unless --precision says otherwise")
     a = p.parse_args(argv)
     try:
         batches = [int(b) for b in a.batches.split(",")]
@@ -3139,6 +3264,11 @@ def cmd_bench(argv):
     # asked for, a precision the config cannot run is an error; by default bf16 is left out (with a note)
     precisions = list(dict.fromkeys(check_precision(w, cfg, "flash", explicit=a.precision is not None)
                                     for w in precisions))
+    if distributed.launching(a.gpus):
+        return distributed.launch(a.gpus, [sys.executable, os.path.abspath(__file__), "bench", *argv])
+    group = distributed.join(a.gpus)
+    if group is not None:                           # one rank of bench --gpus N
+        group.run(lambda: bench_scaling(a, cfg, batches, T, precisions if a.precision else precisions[:1], group))
     gpu()
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, flash attention; "

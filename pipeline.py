@@ -359,19 +359,23 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=CACHE):
 
 class Batches:
     """Random windows of T+1 tokens from one split (the first 1-val_frac of the file trains, the rest
-    validates). The generator state is the data position, saved in checkpoints for exact resumption."""
+    validates). The generator state is the data position, saved in checkpoints for exact resumption.
+    Several GPUs: every rank draws the windows of all `world` ranks (the same generator everywhere) and keeps
+    rows rank*B .. rank*B+B-1, so one GPU with batch world*B draws exactly the batches of `world` GPUs."""
 
-    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1):
+    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1, rank=0, world=1):
         n_val = max(T + 2, int(len(tokens) * val_frac))
         self.tokens = tokens[:len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val:]
         if len(self.tokens) < T + 2:
             raise UserError(f"the {split} split has {len(self.tokens)} tokens, too few for windows of {T}; "
                             "use more data or a smaller --seq")
-        self.B, self.T = B, T
+        self.B, self.T, self.rank, self.world = B, T, rank, world
         self.rng = np.random.default_rng(seed)
 
     def next(self):
-        starts = self.rng.integers(0, len(self.tokens) - self.T, self.B)   # the last start, n-T-1, included
+        # every rank's windows (the last start, n-T-1, included), then this rank's part
+        starts = self.rng.integers(0, len(self.tokens) - self.T, self.B * self.world)
+        starts = starts[self.rank * self.B:(self.rank + 1) * self.B]
         w = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts]).astype(np.int32)
         return w[:, :-1], w[:, 1:]
 
@@ -989,16 +993,16 @@ class StopFlag:
     """Ctrl-C sets a flag that the loop reads between steps, so a checkpoint never holds half a step.
     restore() puts the previous handler back (a later Ctrl-C then interrupts as usual)."""
 
-    def __init__(self):
+    def __init__(self, when="this step"):
         import signal
-        self.stop = False
+        self.stop, self.when = False, when
         self.previous = signal.signal(signal.SIGINT, self.handler)
 
     def handler(self, signum, frame):
         if self.stop:                                    # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         self.stop = True
-        print("\n[Ctrl-C: finishing this step, then saving a checkpoint]", flush=True)
+        print(f"\n[Ctrl-C: finishing {self.when}, then saving a checkpoint]", flush=True)
 
     def restore(self):
         import signal
@@ -1018,16 +1022,19 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
     args: steps, schedule_steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
     val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample. Returns the last validation loss; raises KeyboardInterrupt
-    after saving when Ctrl-C stopped the run."""
+    after saving when Ctrl-C stopped the run. On several GPUs every rank runs it with its trainer (trainer.rank,
+    trainer.world): the checkpoint is a collective that only rank 0 writes, only rank 0 writes the log, and a
+    Ctrl-C on any rank stops them all at the next progress line."""
     ckpt_path = os.path.join(out_dir, "ckpt.npz")
-    flag = StopFlag()
+    flag = StopFlag("this step" if getattr(trainer, "world", 1) == 1 else "the steps up to the next progress line")
     try:
-        with open(os.path.join(out_dir, "train_log.jsonl"), "a") as log:
-            step, val_loss = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start,
-                                          sample_fn)
+        with open(os.path.join(out_dir, "train_log.jsonl") if getattr(trainer, "rank", 0) == 0 else os.devnull,
+                  "a") as log:
+            step, val_loss, stopped = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra,
+                                                   start, sample_fn)
     finally:
         flag.restore()
-    if flag.stop:
+    if stopped:
         raise KeyboardInterrupt
     return val_loss
 
@@ -1035,11 +1042,14 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
 def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start, sample_fn):
     steps, val_loss, t_start = args["steps"], None, time.time()
     schedule = args.get("schedule_steps") or steps
+    rank, world, agreed = getattr(trainer, "rank", 0), getattr(trainer, "world", 1), False
 
     def checkpoint(step):
-        P, m, v = trainer.host_state()
-        save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
-                                            "train": args}, extra)
+        state = trainer.host_state()                 # on several GPUs a collective: every rank takes part
+        if rank == 0:
+            P, m, v = state
+            save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
+                                                "train": args}, extra)
 
     step, pending, t_last = start, [], time.time()
     t_print, tokens_since_print = t_last, 0                        # the progress line's rate: since the last one
@@ -1048,8 +1058,11 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
         x, y = batches.next()
         trainer.step(x, y, lr)
         step += 1
-        pending.append((step, lr, x.size))
-        stopping = flag.stop or (args.get("stop_after") and step - start >= args["stop_after"])
+        pending.append((step, lr, x.size * world))                  # the tokens of every rank
+        if world > 1:              # the ranks stop at one step: they agree at each progress line (a collective)
+            agreed = (step % args["log_every"] == 0 or step == steps) and trainer.any_rank(flag.stop)
+        stopping = ((flag.stop if world == 1 else agreed)
+                    or (args.get("stop_after") and step - start >= args["stop_after"]))
         evaluating = val_fn is not None and (step % args["eval_every"] == 0 or step == steps)
         saving = step % args["ckpt_every"] == 0 or step == steps or stopping
         printing = step % args["log_every"] == 0 or step == steps or evaluating
@@ -1087,7 +1100,7 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
         if stopping:
             break
     print(f"checkpoint: {ckpt_path} (step {step}/{steps}, {(time.time() - t_start) / 60:.1f} min)")
-    return step, val_loss
+    return step, val_loss, flag.stop if world == 1 else agreed
 
 
 def print_sample(tok, generate_fn, prompt, n, seed=0):
@@ -1101,7 +1114,7 @@ def print_sample(tok, generate_fn, prompt, n, seed=0):
 # The small model's defaults: on the embedded corpus (~215K tokens) validation loss is lowest near 1000
 # steps (~5 epochs) and climbs after; longer runs pay on larger corpora (--steps).
 TRAIN_DEFAULTS = dict(config="small", steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100,
-                      sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None)
+                      sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None, grad_accum=1)
 
 
 def check_positive(a, *names):
@@ -1140,7 +1153,7 @@ def start_run(a, defaults, resume):
             raise UserError(f"{ckpt_path} exists: resume it, start over with --force, or pick another --out")
         args, state, extra = {**defaults, **given}, None, {"kind": "base"}
         args["schedule_steps"] = args["steps"]
-    check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every")
+    check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every", "grad_accum")
     if args["warmup"] < 0 or not args["lr"] > 0:
         raise UserError("--lr must be positive and --warmup at least 0")
     cfg = P.cfg if resume else get_config(args["config"])
@@ -1207,7 +1220,9 @@ def add_train_flags(p, out, defaults, lr_note=""):
                                   f"(default: {d['data'] or 'the embedded corpus, no download'})")
     helps = {"steps": "training steps; on --resume it may be raised: the cosine keeps the run's first length, "
                       "then the rate stays at its 10%% floor",
-             "batch": "sequences per step", "seq": "tokens per sequence (at most the context)",
+             "batch": "sequences per step (per GPU)", "seq": "tokens per sequence (at most the context)",
+             "grad_accum": "micro-batches of --batch sequences per step, their gradients averaged: one step "
+                           "sees batch x grad-accum (x GPUs) sequences",
              "lr": "peak learning rate" + lr_note, "warmup": "steps of linear warm-up", "seed": "init and data order",
              "eval_every": "validate every N steps", "sample_every": "print a sample every N steps (0: never)",
              "ckpt_every": "checkpoint every N steps", "log_every": "progress line every N steps"}
