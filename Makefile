@@ -11,9 +11,13 @@ setup:
 	$(PIP) -r requirements.txt
 
 setup-test: setup                          # test-only tools; the NVRTC wheel lets CI compile the CUDA kernels
-	$(PIP) pytest hypothesis duckdb matplotlib nvidia-cuda-nvrtc-cu12  # matplotlib: the plot test of test_evaluate.py
+	$(PIP) pytest pytest-xdist hypothesis duckdb matplotlib nvidia-cuda-nvrtc-cu12  # matplotlib: the plot test of test_evaluate.py; xdist: two workers
 	$(PIP) "torch==2.13.0+cpu" transformers  # test_export.py loads the exports in transformers (CPU wheel, not CUDA's)
 	$(PIP) llama-cpp-python || echo "llama-cpp-python did not build: the llama.cpp test of test_export.py will skip"  # compiles llama.cpp once (~5 min), cached by pip after
+	$(PIP) openai playwright               # test_serve.py: the OpenAI client, and Playwright to drive Debian's chromium (it downloads no browser)
+	test -x /usr/bin/chromium || ! command -v apt-get > /dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+		|| echo "chromium did not install: the chat page test of test_serve.py will skip"
 
 warm: setup
 	$(PYTHON) gradcheck.py all > /dev/null  # float64 kernels
@@ -22,8 +26,8 @@ warm: setup
 check: setup                               # every backward against float64 finite differences
 	$(PYTHON) gradcheck.py all
 
-test: setup-test
-	$(PYTHON) -m pytest -q
+test: setup-test                           # two workers: the suite's subprocesses keep both of CI's cores busy
+	$(PYTHON) -m pytest -q -n 2
 
 mutation: setup-test                       # plant bugs one at a time: which ones do the tests miss?
 	$(PYTHON) mutate.py

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import pipeline as pl
+import serve
 from pipeline import Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
 
 try:
@@ -942,6 +943,12 @@ def cmd_chat(a):
     pl.chat_repl(tok, lambda ids, n: gen(ids, n, rng), extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
 
 
+def cmd_serve(a):
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda ids, n, sampling, rng: generate(
+        P, ids, n, rng=rng, sampling=sampling, speculative=a.speculative), "CPU")
+
+
 def cmd_export(a):
     import export                                    # its packages (safetensors, gguf) serve this mode alone
     export.cmd_export(a)
@@ -1012,7 +1019,7 @@ def bench_sampling(P, tok, batches, n=200, streams=8):
 def parser():
     p = pl.Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU. "
                   "The model and its files: CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.")
-    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,sft,dpo,eval,plot,bench,export,import}", parser_class=pl.Parser)
+    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,serve,sft,dpo,eval,plot,bench,export,import}", parser_class=pl.Parser)
     for mode, text in (("train", "pretrain (on the embedded default corpus unless --data)"),
                        ("resume", "continue the run in --out from its checkpoint (train --resume)")):
         t = sub.add_parser(mode, help=text, description=text)
@@ -1025,6 +1032,9 @@ def parser():
                        description="talk to a checkpoint: a chat checkpoint (sft) wraps each line in the SFT template, "
                                    "a base model continues your text; the conversation is kept within the context")
     pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7, generation=True)
+    v = sub.add_parser("serve", help="an OpenAI-compatible API and a chat page in the browser (serve.py)",
+                       description=serve.DESCRIPTION)
+    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", generation=True)
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
                        description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
     pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
@@ -1084,7 +1094,7 @@ def main(argv=None):
         if a.mode == "resume":
             a.resume = True
         n_threads()
-        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "sft": cmd_sft, "dpo": cmd_dpo,
+        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "serve": cmd_serve, "sft": cmd_sft, "dpo": cmd_dpo,
          "bench": cmd_bench, "eval": cmd_eval, "plot": cmd_plot, "export": cmd_export, "import": cmd_import}[a.mode](a)
     except pl.UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -925,7 +925,25 @@ def add_dpo_flags(p, ckpt, out, steps, batch, lr):
 
 
 # ----------------------------------------------------------------------------------------------------
-# chat: a REPL that streams the model's answer and keeps the conversation within the context
+# chat: a REPL that streams the model's answer and keeps the conversation within the context (serve.py's
+# chat completions build and fit their conversations with the same two functions)
+
+def user_turn(tok, text, template, first):
+    """The ids of one user turn: its SFT block up to '### Response:\\n' for a chat checkpoint; for a base
+    model the text itself, after a newline past the first turn (the answers continue the text)."""
+    return tok.encode(format_prompt(text) if template else (text if first else "\n" + text))
+
+
+def fit_turns(turns, user, ctx, max_new):
+    """turns [(user ids, answer ids)] so far, oldest first, and the new turn's ids -> (prompt ids, how many of
+    the oldest turns were dropped) so that max_new positions are left to answer in, when that costs no more
+    than half the context. The new turn itself is never cut here (fit_prompt does that)."""
+    budget = max(ctx - max_new, ctx // 2)
+    dropped = 0
+    while dropped < len(turns) and sum(len(u) + len(a) for u, a in turns[dropped:]) + len(user) > budget:
+        dropped += 1
+    return [t for u, a in turns[dropped:] for t in u + a] + user, dropped
+
 
 def chat_repl(tok, generate_fn, template, max_new, ctx):
     """generate_fn(prompt_ids, max_new) yields ids. EOF ends the session; Ctrl-C stops only the answer.
@@ -954,16 +972,12 @@ def chat_repl(tok, generate_fn, template, max_new, ctx):
             print(f"> {line}", flush=True)           # piped questions are shown, so answers read in order
         if not line.strip():
             continue
-        user = tok.encode(format_prompt(line) if template else (line if not turns else "\n" + line))
-        history = lambda ts: [t for u, ans in ts for t in u + ans]
-        budget = max(ctx - max_new, ctx // 2)        # room to answer, when the conversation allows it
-        dropped = 0
-        while turns and len(history(turns)) + len(user) > budget:
-            turns.pop(0)
-            dropped += 1
+        user = user_turn(tok, line, template, first=not turns)
+        ids, dropped = fit_turns(turns, user, ctx, max_new)
+        del turns[:dropped]
         if dropped:
             print(f"[dropped the {dropped} oldest turn(s) to fit the context of {ctx} tokens]", flush=True)
-        ids = fit_prompt(history(turns) + user, ctx, max_new)
+        ids = fit_prompt(ids, ctx, max_new)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         answer = []
         try:

@@ -1,0 +1,530 @@
+"""
+test_serve.py -- serve.py (issue 17) with real clients. The openai package against a live server: chat and
+completions, streamed and not, against the engine's own greedy ids on the SFT template (turns kept, the oldest
+dropped), seeds, stop strings, a base checkpoint; 50 concurrent requests, none lost or mixed up; a client that
+leaves frees its place; every 4xx answer in OpenAI's error shape; the CLI's one-line errors and Ctrl-C; the chat
+page in headless Chromium (Playwright), its screenshot kept in test_artifacts/. openai, playwright and chromium
+skip when missing; make setup-test installs them, so CI runs them. A GPU test runs the GPU engine's server.
+"""
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bpe
+import nanoeuler as ne
+from conftest import needs_gpu
+import pipeline as pl
+import serve
+
+ROOT = Path(__file__).resolve().parent
+ARTIFACTS = ROOT / "test_artifacts"
+CFG = dataclasses.replace(pl.CONFIGS["tiny"], ctx=384)      # room for a few SFT turns (~110 tokens each)
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+GREEDY = pl.Sampling(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny model with random weights, saved as a chat and as a base checkpoint."""
+    d = tmp_path_factory.mktemp("serve")
+    tok = bpe.Tokenizer.train(pl.default_corpus()[0][:20_000], CFG.vocab)
+    P = pl.Params.init(CFG)
+    for kind in ("chat", "base"):
+        pl.save_checkpoint(str(d / f"{kind}.npz"), P, tok, extra={"kind": kind})
+    return P, tok, d
+
+
+def start(model, kind="chat", generate=None, *flags):
+    """An in-process server on a free port, built from the serve mode's own flags; -> its port."""
+    P, tok, d = model
+    a = ne.parser().parse_args(["serve", "--ckpt", str(d / f"{kind}.npz"), "--port", "0", *map(str, flags)])
+    generate = generate or (lambda ids, n, sampling, rng: ne.generate(P, ids, n, rng=rng, sampling=sampling))
+    server = serve.make_server(a, tok, P.cfg, kind == "chat", generate, quiet=True)
+    threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def chat_server(model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("log") / "serve_log.jsonl"
+    server = start(model, "chat", None, "--log", log)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def client(server, port=None):
+    """The openai package's client of a server (or of a port)."""
+    openai = pytest.importorskip("openai")
+    port = port or server.server_address[1]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                         max_retries=0, timeout=30, http_client=openai.DefaultHttpxClient(trust_env=False))
+
+
+def engine_text(model, ids, n, sampling=GREEDY, seed=0):
+    """What the engine itself says after ids: its ids up to <|endoftext|>, decoded, and how many it drew."""
+    P, tok, _ = model
+    out = []
+    for t in ne.generate(P, ids, n, rng=np.random.default_rng(seed), sampling=sampling):
+        out.append(t)
+        if t == tok.eot:
+            break
+    return tok.decode([t for t in out if t != tok.eot]), len(out)
+
+
+def sft_ids(tok, turns, last):
+    """CONTRACT.md's multi-turn SFT text, one block per turn closed by <|endoftext|>, encoded whole."""
+    text = "".join(pl.format_prompt(u) + a + pl.EOT for u, a in turns) + pl.format_prompt(last)
+    return tok.encode(text, allowed_special="all")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the openai client against a live server
+
+
+def test_chat_is_the_engine_on_the_sft_template_streamed_or_not(model, chat_server):
+    c = client(chat_server)
+    ids = sft_ids(model[1], [], "Name a colour.")
+    want, n = engine_text(model, ids, 12)
+    r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=[{"role": "user", "content": "Name a colour."}],
+                                  max_tokens=12, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), n, len(ids) + n)
+    assert r.choices[0].finish_reason == ("length" if n == 12 else "stop") and r.object == "chat.completion"
+    chunks = list(c.chat.completions.create(model=r.model, messages=[{"role": "user", "content": "Name a colour."}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+    # a system message goes in front of the user's
+    r = c.chat.completions.create(model=r.model, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}])
+    ids = sft_ids(model[1], [], "Be brief.\n\nName a colour.")
+    assert r.choices[0].message.content == engine_text(model, ids, 6)[0] and r.usage.prompt_tokens == len(ids)
+
+
+def test_chat_keeps_the_turns_and_drops_the_oldest_to_fit(model, chat_server):
+    c, tok = client(chat_server), model[1]
+    turns = [("Name a colour.", "Blue."), ("Name a fruit.", "A pear.")]           # 361 tokens with the last
+    messages = [m for u, a in turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+    messages.append({"role": "user", "content": "Name a bird."})
+    for max_new in (8, 200):                      # all three turns fit in 384 - 8; with 200, only the last
+        budget, kept = max(CFG.ctx - max_new, CFG.ctx // 2), turns
+        while kept and len(sft_ids(tok, kept, "Name a bird.")) > budget:
+            kept = kept[1:]
+        ids = sft_ids(tok, kept, "Name a bird.")
+        assert (max_new == 8) == (kept == turns)
+        r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=messages, max_tokens=max_new,
+                                      temperature=0)
+        assert r.usage.prompt_tokens == len(ids)
+        assert r.choices[0].message.content == engine_text(model, ids, max_new)[0]
+
+
+def test_completions_streamed_or_not_and_token_prompts(model, chat_server):
+    c, tok = client(chat_server), model[1]
+    want, n = engine_text(model, tok.encode("It was"), 10)
+    r = c.completions.create(model="nanoeuler-custom-chat", prompt="It was", max_tokens=10, temperature=0)
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(tok.encode("It was"))
+    assert r.usage.completion_tokens == n and r.object == "text_completion"
+    chunks = list(c.completions.create(model=r.model, prompt="It was", max_tokens=10, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    r2 = c.completions.create(model=r.model, prompt=tok.encode("It was"), max_tokens=10, temperature=0)
+    assert r2.choices[0].text == want
+    r3 = c.completions.create(model=r.model, prompt="", max_tokens=3, temperature=0)    # a document's start
+    assert r3.choices[0].text == engine_text(model, [tok.eot], 3)[0] and r3.usage.prompt_tokens == 1
+
+
+def test_seed_temperature_and_top_p_are_honoured(model, chat_server):
+    c, tok = client(chat_server), model[1]
+    ask = lambda **kw: c.completions.create(model="nanoeuler-custom-chat", prompt="It was", max_tokens=20,
+                                            **kw).choices[0].text
+    a, b = ask(seed=7, temperature=1.0), ask(seed=8, temperature=1.0)
+    assert a == ask(seed=7, temperature=1.0) != b
+    stream = c.completions.create(model="nanoeuler-custom-chat", prompt="It was", max_tokens=20, seed=7,
+                                  temperature=1.0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == a
+    for kw in (dict(temperature=1.0), dict(temperature=0.5, top_p=0.3)):   # the engine's draw, same seed
+        sampling = pl.Sampling(kw["temperature"], 40, kw.get("top_p", 1.0))  # --top-k 40 is the default
+        assert ask(seed=11, **kw) == engine_text(model, tok.encode("It was"), 20, sampling, seed=11)[0]
+    assert ask(seed=11, temperature=1.0) != ask(seed=11, temperature=1.0, top_p=0.05)
+
+
+def test_stop_strings_end_the_text_even_across_tokens(chat_server):
+    c = client(chat_server)
+    kw = dict(model="nanoeuler-custom-chat", prompt="It was", max_tokens=40, temperature=1.0, seed=3)
+    full = c.completions.create(**kw).choices[0].text
+    stop = full[10:13]
+    want = full[:full.find(stop)]
+    r = c.completions.create(stop=[stop, "\u2603never"], **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 40
+    streamed = c.completions.create(stop=stop, stream=True, **kw)
+    assert "".join(ch.choices[0].text for ch in streamed) == want
+    r = c.completions.create(stop=full[-1] + "\u2603", **kw)    # the last character, held back, was no stop string
+    assert r.choices[0].text == full and r.choices[0].finish_reason == "length"
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    whole = c.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=40, seed=3).choices[0].message.content
+    stop = whole[5:7]
+    r = c.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=40, seed=3, stop=stop)
+    assert r.choices[0].message.content == whole[:whole.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_stop_scan_holds_back_a_possible_stop_string():
+    s = serve.StopScan(["END", "xy"])
+    assert s.feed("abcE") == ("abc", False)            # 'E' may begin END
+    assert s.feed("N") == ("", False)
+    assert s.feed("Dzz") == ("", True)                 # END is complete: nothing after it
+    s = serve.StopScan(["END"])
+    assert s.feed("EN") == ("", False) and s.feed("x") == ("ENx", False) and s.rest() == ""
+    s = serve.StopScan(["END"])
+    assert s.feed("aE") == ("a", False) and s.rest() == "E"
+
+
+def test_base_checkpoint_chats_on_plain_text(model):
+    server = start(model, "base")
+    try:
+        c, tok = client(server), model[1]
+        assert c.models.list().data[0].id == "nanoeuler-custom-base"
+        messages = [{"role": "user", "content": "Name a colour:"}, {"role": "assistant", "content": " Blue."},
+                    {"role": "user", "content": "And another:"}]
+        ids = tok.encode("Name a colour: Blue.\nAnd another:")          # as the chat mode joins a base model's turns
+        r = c.chat.completions.create(model="nanoeuler-custom-base", messages=messages, max_tokens=8, temperature=0)
+        assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == engine_text(model, ids, 8)[0]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_models_route(chat_server):
+    c = client(chat_server)
+    models = c.models.list().data
+    assert [m.id for m in models] == ["nanoeuler-custom-chat"] and models[0].context_length == CFG.ctx
+    assert c.models.retrieve("nanoeuler-custom-chat").id == "nanoeuler-custom-chat"
+
+
+# ----------------------------------------------------------------------------------------------------
+# load and disconnection
+
+
+def test_50_concurrent_requests_none_lost_none_mixed(chat_server):
+    """Chat and completions, streamed and not, seeds 0..49, all at once: each answer is the one the same request
+    gets alone, and the log has one line per request."""
+    c = client(chat_server)
+    log = Path(chat_server.log_path)
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+
+    def one(i):
+        kw = dict(model="nanoeuler-custom-chat", max_tokens=8, temperature=1.0, seed=i, stream=i % 4 >= 2)
+        if i % 2:
+            r = c.completions.create(prompt=f"It was {i}", **kw)
+            return "".join(ch.choices[0].text for ch in r) if kw["stream"] else r.choices[0].text
+        r = c.chat.completions.create(messages=[{"role": "user", "content": f"Count to {i}."}], **kw)
+        return "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if kw["stream"] \
+            else r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(50) as pool:
+        together = list(pool.map(one, range(50)))
+    alone = [one(i) for i in range(50)]
+    assert together == alone and len(set(alone)) > 40
+    records = [json.loads(l) for l in log.read_text().splitlines()[before:]]
+    assert len(records) == 100 and all(r["event"] == "done" for r in records)
+
+
+def _raw(port, body, path="/v1/chat/completions"):
+    """A request on a bare socket, so the test decides when the client leaves."""
+    s = socket.create_connection(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _wait(cond, timeout=5.0):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, "timed out"
+        time.sleep(0.01)
+
+
+def slow_engine(model, calls, delay):
+    """The CPU engine, delay[0] seconds a token, recording each call: its prompt, ids drawn, closed early."""
+    P = model[0]
+
+    def generate(ids, n, sampling, rng):
+        rec = dict(prompt=list(ids), drawn=0, closed=False)
+        calls.append(rec)
+        try:
+            for t in ne.generate(P, ids, n, rng=rng, sampling=sampling):
+                time.sleep(delay[0])
+                rec["drawn"] += 1
+                yield t
+        except GeneratorExit:
+            rec["closed"] = True
+            raise
+    return generate
+
+
+def test_a_client_that_leaves_frees_its_place(model, tmp_path):
+    calls, log = [], tmp_path / "log.jsonl"
+    server = start(model, "chat", slow_engine(model, calls, [0.01]), "--log", log)
+    port = server.server_address[1]
+    try:
+        msgs = lambda text: [{"role": "user", "content": text}]
+        tok = model[1]
+        assert engine_text(model, sft_ids(tok, [], "first"), 300)[1] > 250     # greedy: no early <|endoftext|>
+        a = _raw(port, dict(messages=msgs("first"), max_tokens=300, stream=True, temperature=0))
+        got = b""
+        while got.count(b"data: ") < 4:                  # the role chunk and three tokens' text
+            got += a.recv(4096)
+        b = _raw(port, dict(messages=msgs("second"), max_tokens=300))      # waits in the queue behind a
+        _wait(lambda: server.worker.jobs.qsize() == 1)
+        b.close()                                        # leaves while queued: never generated
+        _wait(lambda: server.worker.jobs.queue[0].gone.is_set())          # its connection's thread noticed
+        a.close()                                        # leaves mid-stream: stopped at its next token
+        _wait(lambda: calls[0]["closed"])
+        c = client(server)
+        r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=msgs("third"), max_tokens=5)
+        assert r.usage.completion_tokens == 5
+        assert [call["prompt"] for call in calls] == [sft_ids(tok, [], "first"), sft_ids(tok, [], "third")]
+        assert calls[0]["drawn"] < 100 and server.worker.skipped == 1
+        events = [json.loads(l)["event"] for l in log.read_text().splitlines()]
+        assert events == ["left", "skipped", "done"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# validation: 4xx answers with OpenAI's error body
+
+LONG = "word " * 400                                     # ~400 tokens: more than the context of 384
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("method,path,body,status,param,code", [
+    ("POST", "/v1/chat/completions", "{", 400, None, "invalid_json"),
+    ("POST", "/v1/chat/completions", "[1, 2]", 400, None, None),
+    ("POST", "/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, None, "invalid_json"),
+    ("POST", "/v1/chat/completions", {}, 400, "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
+                                                   {"role": "assistant", "content": "b"}]}, 400, "messages", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", {}, 400, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 384}, 400, "max_tokens", None),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", None),
+    ("POST", "/v1/chat/completions", dict(CHAT, max_completion_tokens=10**6), 400, "max_completion_tokens", None),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("POST", "/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", None),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", None),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("POST", "/v1/chat/completions", dict(CHAT, model="gpt-4"), 404, "model", "model_not_found"),
+    ("GET", "/v1/models/gpt-4", None, 404, "model", "model_not_found"),
+    ("GET", "/v1/nothing", None, 404, None, "unknown_url"),
+    ("POST", "/v1/models", {}, 404, None, "unknown_url"),
+    ("GET", "/v1/chat/completions", None, 405, None, "method_not_allowed"),
+    ("DELETE", "/v1/models", None, 501, None, None),
+])
+def test_mistakes_get_openai_error_bodies(chat_server, method, path, body, status, param, code):
+    conn = http.client.HTTPConnection("127.0.0.1", chat_server.server_address[1], timeout=10)
+    conn.request(method, path, body if isinstance(body, str) or body is None else json.dumps(body))
+    r = conn.getresponse()
+    err = json.loads(r.read())["error"]
+    assert r.status == status and r.getheader("Content-Type") == "application/json"
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["param"], err["code"]) == (param, code), err
+    if code == "context_length_exceeded":
+        assert "384" in err["message"]
+
+
+def test_openai_client_raises_on_mistakes(chat_server):
+    openai = pytest.importorskip("openai")
+    c = client(chat_server)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        c.completions.create(model="nanoeuler-custom-chat", prompt="x", max_tokens=5000)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the command line
+
+
+def _one_error(capsys, args):
+    rc = ne.main(args)
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_cli_mistakes_are_one_line(model, capsys, tmp_path):
+    ckpt = str(model[2] / "chat.npz")
+    assert "missing.npz" in _one_error(capsys, ["serve", "--ckpt", str(tmp_path / "missing.npz")])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "in use" in _one_error(capsys, ["serve", "--ckpt", ckpt, "--port", str(port)])
+    assert "--port" in _one_error(capsys, ["serve", "--ckpt", ckpt, "--port", "70000"])
+    assert "--temperature" in _one_error(capsys, ["serve", "--ckpt", ckpt, "--temperature", "-1"])
+    assert "--hots" in _one_error(capsys, ["serve", "--ckpt", ckpt, "--hots", "0.0.0.0"])
+    assert "--log" in _one_error(capsys, ["serve", "--ckpt", ckpt, "--port", "0", "--log", str(tmp_path / "no/log")])
+
+
+def _serve_process(script, ckpt, *flags):
+    """The serve mode in its own process; -> (process, port) once it says where it listens."""
+    p = subprocess.Popen([sys.executable, str(ROOT / script), "serve", "--ckpt", str(ckpt), "--port", "0", *flags],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = p.stdout.readline()
+    m = re.search(r"at http://([\d.]+):(\d+)/", line)
+    if not m:
+        p.kill()
+        pytest.fail(f"the server did not start: {line}{p.communicate()[1]}")
+    return p, m.group(1), int(m.group(2))
+
+
+def _stop(p):
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=10)
+    return p.returncode, out, err
+
+
+def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
+    p, host, port = _serve_process("nanoeuler.py", model[2] / "chat.npz", "--temperature", "0")
+    try:
+        assert host == "127.0.0.1"
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "It was", "max_tokens": 5}))
+        r = json.loads(conn.getresponse().read())
+        assert r["choices"][0]["text"] == engine_text(model, model[1].encode("It was"), 5)[0]   # --temperature 0
+    finally:
+        rc, out, err = _stop(p)
+    assert rc == 0 and "[stopped]" in out and "done /v1/completions" in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU engine behind the same server (skips without a GPU)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_engine_serves(model):
+    p, host, port = _serve_process("nanoeuler_cuda.py", model[2] / "chat.npz")
+    try:
+        c = client(None, port)
+        msgs = [{"role": "user", "content": "Name a colour."}]
+        r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=msgs, max_tokens=8, temperature=0)
+        ids = sft_ids(model[1], [], "Name a colour.")
+        assert r.choices[0].message.content == engine_text(model, ids, 8)[0]       # the CPU engine's greedy text
+        assert r.usage.prompt_tokens == len(ids)
+        ask = lambda seed, **kw: c.completions.create(model=r.model, prompt="It was", max_tokens=16, temperature=1.0,
+                                                      seed=seed, **kw)
+        text = ask(5).choices[0].text
+        assert text == ask(5).choices[0].text != ask(6).choices[0].text
+        assert "".join(ch.choices[0].text for ch in ask(5, stream=True)) == text
+    finally:
+        rc, out, err = _stop(p)
+    assert rc == 0, err
+
+
+# ----------------------------------------------------------------------------------------------------
+# the chat page in headless Chromium
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def test_page_streams_a_conversation_stops_and_starts_over(model, browser):
+    calls, delay = [], [0.005]
+    server = start(model, "chat", slow_engine(model, calls, delay))
+    page = browser.new_page(viewport={"width": 900, "height": 640})
+    page.set_default_timeout(10_000)
+    try:
+        page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+        page.wait_for_function("document.querySelector('#model').textContent.includes('nanoeuler-custom-chat')")
+        assert page.title() == "NanoEuler chat"
+        page.click("summary")                            # the settings
+        page.fill("#max-tokens", "40")
+        page.fill("#temperature", "0")                   # greedy: the answer must be the engine's, to the character
+
+        def ask(text, then_stop=False):
+            with page.expect_request("**/v1/chat/completions") as req:
+                page.fill("#input", text)
+                page.keyboard.press("Enter")
+            if then_stop:
+                page.wait_for_function("document.querySelectorAll('.msg.assistant .text')[%d].textContent.length > 0"
+                                       % (page.locator(".msg.assistant").count() - 1))
+                page.click("#stop")
+            page.wait_for_function("!document.body.dataset.busy")
+            return req.value.post_data_json, page.locator(".msg.assistant .text").last.text_content()
+
+        body, answer = ask("Name a colour.")
+        assert body["stream"] is True and body["messages"] == [{"role": "user", "content": "Name a colour."}]
+        assert answer == engine_text(model, sft_ids(model[1], [], "Name a colour."), 40)[0]
+        assert re.fullmatch(r"\d+ tokens · [\d.]+ tokens/s.*", page.text_content("#status"))
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "serve_chat.png"), full_page=True)
+        assert (ARTIFACTS / "serve_chat.png").stat().st_size > 5000
+
+        body, _ = ask("Name a fruit.")                   # the second turn carries the first
+        assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+        assert body["messages"][1]["content"] == answer
+
+        delay[0] = 0.05                                  # slow enough to be stopped: 300 tokens would take 15 s
+        page.fill("#max-tokens", "300")
+        body, partial = ask("Tell a long story.", then_stop=True)
+        assert "stopped" in page.text_content("#status") and page.is_enabled("#send")
+        _wait(lambda: calls[-1]["closed"])               # the server stopped generating for the page
+        assert calls[-1]["drawn"] < 100 and partial
+
+        delay[0] = 0.0
+        page.fill("#max-tokens", "20")
+        body, _ = ask("Go on.")                          # the stopped answer stays in the conversation
+        assert len(body["messages"]) == 7 and body["messages"][5]["content"] == partial
+        page.click("#new")
+        assert page.locator(".msg").count() == 0
+        body, _ = ask("Hello again.")
+        assert body["messages"] == [{"role": "user", "content": "Hello again."}]
+    finally:
+        page.close()
+        server.shutdown()
+        server.server_close()
