@@ -10,6 +10,7 @@ imported lazily, by plot only). Bad input raises pipeline.UserError.
 import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -207,9 +208,58 @@ def read_evals(folder):
 # ----------------------------------------------------------------------------------------------------
 # report card
 
-def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU"):
-    """report.md in out_dir: config, parameters, tokens seen, wall time, tokens/s, model FLOP/s, final
-    validation loss and bpb, the sample, the loss-curve plot (if matplotlib) and eval scores (evals.jsonl)."""
+# ----------------------------------------------------------------------------------------------------
+# the eval and plot modes of both engines
+
+EVAL_HELP = ("score a checkpoint under head 0: HellaSwag completion scoring (acc; acc_norm divides each ending's "
+             "log-prob by its length in characters) or bits per byte of any UTF-8 text file (comparable across "
+             "tokenizers); results go to evals.jsonl beside the checkpoint")
+PLOT_HELP = ("PNG of the train and validation loss of one or more runs against steps, tokens and wall time (needs "
+             "matplotlib: pip install matplotlib)")
+
+
+def add_eval_flags(p, ckpt):
+    p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
+    p.add_argument("--task", choices=("hellaswag", "bpb"), default="hellaswag", help="(default hellaswag)")
+    p.add_argument("--data", help="hellaswag: a JSONL file (default data/hellaswag_val.jsonl, from "
+                                  "data/get_hellaswag.sh); bpb: a text file (required)")
+    p.add_argument("--limit", type=int, help="hellaswag: score the first N items only (default all)")
+
+
+def add_plot_flags(p):
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (--out of train), overlaid")
+    p.add_argument("--out", default="loss.png", help="PNG file to write (default loss.png)")
+
+
+def check_eval_args(a):
+    if a.limit is not None:
+        pl.check_positive(a, "limit")
+    if a.task == "bpb" and not a.data:
+        raise pl.UserError("--task bpb needs --data TEXT_FILE")
+
+
+def run_eval(a, tok, ctx, logprobs_fn, hellaswag_fn=None):
+    """The eval mode once the engine has its logprobs_fn (hellaswag_fn(tok, items, warn) may batch the
+    whole set instead): prints the result on its last line and records it in evals.jsonl."""
+    if a.task == "bpb":
+        value, nats, n, n_bytes = bpb(tok, pl.read_text(a.data), logprobs_fn, ctx)
+        record_eval(a.ckpt, dict(task="bpb", data=a.data, bpb=round(value, 5), loss=round(nats, 5), tokens=n,
+                                 bytes=n_bytes))
+        print(f"bpb: {value:.4f} bits per byte | {nats:.4f} nats per token | {n:,} tokens scored | {n_bytes:,} bytes "
+              f"(windows of {ctx} tokens, stride {ctx - 1}: each token scored once)")
+        return
+    items = load_hellaswag(a.data, a.limit)
+    warn = lambda m: print(m, file=sys.stderr)
+    r = hellaswag_fn(tok, items, warn) if hellaswag_fn else hellaswag(tok, items, logprobs_fn, ctx, warn)
+    record_eval(a.ckpt, dict(task="hellaswag", data=a.data, n=r["n"], acc=round(r["acc"], 5),
+                             acc_norm=round(r["acc_norm"], 5)))
+    print(f"hellaswag: {r['n']} items | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
+
+
+def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", peak_tflops=None):
+    """report.md in out_dir: config, parameters, tokens seen, wall time, tokens/s, model FLOP/s and (given
+    the devices' peak) MFU, final validation loss and bpb, the sample, the loss-curve plot (if matplotlib)
+    and eval scores (evals.jsonl)."""
     recs = read_log(out_dir)
     steps = recs[-1]["step"]
     tokens = steps * args["batch"] * args["seq"]
@@ -222,8 +272,9 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU"):
              "- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
              f"- steps: {steps}", f"- tokens seen: {tokens:,} ({steps} steps x {args['batch']} x {args['seq']})",
              f"- wall time: {wall:.1f} s (training steps, from {LOG})", f"- tokens/s: {rate:,.0f}",
-             f"- model FLOP/s: {rate * flops / 1e9:.2f} GFLOP/s ({flops:,} FLOPs per token; "
-             + ("MFU is a GPU notion" if engine == "CPU" else "see the engine for MFU") + ")",
+             f"- model FLOP/s: {rate * flops / 1e9:,.1f} GFLOP/s ({flops:,} FLOPs per token; "
+             + (f"MFU {rate * flops / (peak_tflops * 1e12):.1%} of {peak_tflops:,.0f} TFLOP/s" if peak_tflops
+                else "MFU is a GPU notion") + ")",
              f"- final validation loss: {val_loss:.4f}", f"- final validation bpb: {val_bpb:.4f}", "",
              "## Sample", "", "```", sample, "```", "", "## Loss curves", ""]
     try:

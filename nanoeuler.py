@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+import evaluate
 import pipeline as pl
 import serve
 from pipeline import Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
@@ -712,56 +713,11 @@ def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached
 
 
 def _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats):
-    """Speculative sampling with the model's own MTP heads as the draft model. State: a token z that is
-    decided but not yet cached, and every head's logits at the position before it (head k there
-    predicted position pos(z) + k). Each round drafts d_k from head k, runs one forward over [z, d_1..d_m]
-    and lets head 0 judge the drafts in order: d_i is kept with probability min(1, p(d_i) / q(d_i)), else
-    replaced by a draw from max(0, p - q) normalised, which ends the round and becomes the next z (the
-    cache is cut back to the kept tokens). When every draft is kept, head 0 at the last position draws
-    the next z. Greedy: p and q are one-hot, so a draft is kept exactly when it is head 0's argmax."""
-    cfg, ctx = P.cfg, P.cfg.ctx
-    ids = list(prompt_ids)
-    cache = KVCache(cfg, 1, P.flat.dtype)
-    heads = forward_cached(P, ids, cache, all_heads=True)[-1]              # (n_mtp, V) at the last position
-    z = sampling.sample(heads[0], ids, rng)
-    ids.append(z)
-    produced = 1
-    yield z
-    while produced < max_new and len(ids) < ctx:
-        m = min(cfg.n_mtp - 1, max_new - produced, ctx - len(ids))         # z's forward must fit the context
-        drafts, qs = [], []
-        for k in range(1, m + 1):
-            qs.append(sampling.probs(heads[k], ids + drafts))
-            drafts.append(int(np.argmax(qs[-1])) if sampling.temperature <= 0 else pl.draw(qs[-1], rng))
-        s0 = cache.len                                                     # the position of z
-        out = forward_cached(P, [z] + drafts, cache, all_heads=True)       # (1 + m, n_mtp, V)
-        n_ok = 0
-        for d, q in zip(drafts, qs):
-            p = sampling.probs(out[n_ok, 0], ids)
-            kept = d == np.argmax(p) if sampling.temperature <= 0 else rng.random() < p[d] / q[d]
-            if kept:
-                z = d
-                n_ok += 1
-            elif sampling.temperature <= 0:
-                z = int(np.argmax(p))
-            else:
-                residual = np.maximum(p - q, 0.0)
-                z = pl.draw(residual if residual.sum() > 0 else p, rng)
-            ids.append(z)
-            produced += 1
-            yield z
-            if not kept or produced >= max_new:
-                break
-        if stats is not None:
-            stats["drafted"] = stats.get("drafted", 0) + len(drafts)
-            stats["accepted"] = stats.get("accepted", 0) + n_ok
-        cache.len = s0 + 1 + n_ok                                          # z and the kept drafts
-        heads = out[n_ok]                                                  # at the last cached position
-        if n_ok == len(drafts) and produced < max_new and len(ids) < ctx:  # every draft kept: head 0 goes on
-            z = sampling.sample(heads[0], ids, rng)
-            ids.append(z)
-            produced += 1
-            yield z
+    """pipeline.speculative_decode over this engine's KV cache."""
+    cache = KVCache(P.cfg, 1, P.flat.dtype)
+    yield from pl.speculative_decode(lambda ids: forward_cached(P, ids, cache, all_heads=True),
+                                     lambda n: setattr(cache, "len", n), prompt_ids, max_new, sampling, rng, stats,
+                                     P.cfg.n_mtp, P.cfg.ctx)
 
 
 def generate_batch(P, prompt_ids, n, max_new, sampling, rng):
@@ -832,14 +788,6 @@ def cpu_generate(P, a, stats=None):
     return lambda ids, n, rng: generate(P, ids, n, rng=rng, sampling=sampling, speculative=a.speculative, stats=stats)
 
 
-def speed_line(n, seconds, speculative, stats, streams=1):
-    """The last line of sample: tokens/s, and how many drafts head 0 accepted."""
-    line = f"[{n} tokens" + (f" in {streams} streams" if streams > 1 else "") + f", {n / max(seconds, 1e-9):,.0f} tokens/s"
-    if speculative and stats.get("drafted"):
-        line += f", speculative: {stats['accepted'] / stats['drafted']:.0%} of {stats['drafted']} drafts accepted"
-    return line + ("" if speculative or streams > 1 else ", speculative off") + "]"
-
-
 # ----------------------------------------------------------------------------------------------------
 # modes
 
@@ -863,7 +811,6 @@ def cmd_train(a):
     loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
     sample = pl.print_sample(tok, gen, "\n", 200, seed=args["seed"])
-    import evaluate
     print(f"report: {evaluate.write_report(a.out, args, P.cfg, loss, bpb, sample)}")
 
 
@@ -884,30 +831,12 @@ def cpu_logprobs(P):
 
 
 def cmd_eval(a):
-    import evaluate
-    if a.limit is not None:
-        pl.check_positive(a, "limit")
-    if a.task == "bpb" and not a.data:
-        raise pl.UserError("--task bpb needs --data TEXT_FILE")
+    evaluate.check_eval_args(a)
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
-    fn = cpu_logprobs(P)
-    if a.task == "bpb":
-        text = pl.read_text(a.data)
-        bpb, nats, n, n_bytes = evaluate.bpb(tok, text, fn, P.cfg.ctx)
-        result = dict(task="bpb", data=a.data, bpb=round(bpb, 5), loss=round(nats, 5), tokens=n, bytes=n_bytes)
-        evaluate.record_eval(a.ckpt, result)
-        print(f"bpb: {bpb:.4f} bits per byte | {nats:.4f} nats per token | {n:,} tokens scored | {n_bytes:,} bytes "
-              f"(windows of {P.cfg.ctx} tokens, stride {P.cfg.ctx - 1}: each token scored once)")
-        return
-    items = evaluate.load_hellaswag(a.data, a.limit)
-    r = evaluate.hellaswag(tok, items, fn, P.cfg.ctx, warn=lambda m: print(m, file=sys.stderr))
-    evaluate.record_eval(a.ckpt, dict(task="hellaswag", data=a.data, n=r["n"], acc=round(r["acc"], 5),
-                                      acc_norm=round(r["acc_norm"], 5)))
-    print(f"hellaswag: {r['n']} items | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")
+    evaluate.run_eval(a, tok, P.cfg.ctx, cpu_logprobs(P))
 
 
 def cmd_plot(a):
-    import evaluate
     print(f"wrote {evaluate.plot(a.runs, a.out)}")
 
 
@@ -918,11 +847,11 @@ def cmd_sample(a):
         sampling = pl.sampling_of(a)
         n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: generate_batch(P, ids, k, m, sampling, rng),
                                      a.prompt, a, P.cfg.ctx)
-        print(speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
+        print(pl.speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
         return
     stats = {}
     n, dt = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), a.prompt, a, P.cfg.ctx)
-    print(speed_line(n, dt, a.speculative, stats), file=sys.stderr)
+    print(pl.speed_line(n, dt, a.speculative, stats), file=sys.stderr)
 
 
 def cmd_sft(a):
@@ -1060,20 +989,11 @@ def parser():
                         "(two fresh ones) (default keep)")
     m.add_argument("--force", action="store_true", help="overwrite --out")
     e = sub.add_parser("eval", help="score a checkpoint: HellaSwag (acc, acc_norm) or bits per byte of a text",
-                       description="score a checkpoint under head 0: HellaSwag completion scoring (acc; acc_norm "
-                                   "divides each ending's log-prob by its length in characters) or bits per byte of "
-                                   "any UTF-8 text file (comparable across tokenizers); results go to evals.jsonl "
-                                   "beside the checkpoint")
-    e.add_argument("--ckpt", default="out/ckpt.npz", help="checkpoint file or run folder (default out/ckpt.npz)")
-    e.add_argument("--task", choices=("hellaswag", "bpb"), default="hellaswag", help="(default hellaswag)")
-    e.add_argument("--data", help="hellaswag: a JSONL file (default data/hellaswag_val.jsonl, from "
-                                  "data/get_hellaswag.sh); bpb: a text file (required)")
-    e.add_argument("--limit", type=int, help="hellaswag: score the first N items only (default all)")
+                       description=evaluate.EVAL_HELP)
+    evaluate.add_eval_flags(e, "out/ckpt.npz")
     g = sub.add_parser("plot", help="PNG of train/val loss against steps, tokens and wall time",
-                       description="PNG of the train and validation loss of one or more runs against steps, tokens "
-                                   "and wall time (needs matplotlib: pip install matplotlib)")
-    g.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (--out of train), overlaid")
-    g.add_argument("--out", default="loss.png", help="PNG file to write (default loss.png)")
+                       description=evaluate.PLOT_HELP)
+    evaluate.add_plot_flags(g)
     b = sub.add_parser("bench", help="training and sampling speed", description="training and sampling speed")
     pl.add_config_arg(b, "small")
     b.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")

@@ -23,13 +23,18 @@ Modes (a word, or the seed's letter):
     python nanoeuler_cuda.py sample | i "It was" generate with a KV cache (--ckpt --tokens --temperature ...)
     python nanoeuler_cuda.py sft | s             supervised fine-tuning of a base checkpoint
     python nanoeuler_cuda.py chat | c            chat with a checkpoint
+    python nanoeuler_cuda.py serve               OpenAI-compatible API and chat page (serve.py; --host --port)
+    python nanoeuler_cuda.py dpo | d             DPO of a chat checkpoint on preference pairs (--data --beta ...)
+    python nanoeuler_cuda.py eval                HellaSwag (acc, acc_norm) or bits per byte, batched (--task --data)
+    python nanoeuler_cuda.py plot RUN [RUN ...]  train and validation loss curves of runs, a PNG (evaluate.plot)
     python nanoeuler_cuda.py bench [CONFIG]      speed per precision: tokens/s, ms/step, MFU, memory; attention
 Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
 Sections: GPU runtime | kernels (each next to its launcher: embedding, RMSNorm, RoPE, SwiGLU,
 cross-entropy, attention (fp32 flash, bf16 tensor-core flash, naive), inference attention, optimiser) |
 NVRTC compile check |
-model | optimiser | training | sampling | self-test | gradient check | bench | main.
+model | optimiser | training | sampling | SFT and chat | DPO and evaluation | self-test | gradient check |
+bench | main.
 Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
 S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers. A bf16 array is a
 uint16 CuPy array holding the bits (CuPy has no bfloat16 dtype; the kernels see 2-byte elements).
@@ -38,6 +43,8 @@ import math
 import os
 import re
 import sys
+import time
+from dataclasses import asdict
 
 import numpy as np
 
@@ -480,17 +487,19 @@ def rmsnorm_bwd(dy, x, w, rstd, dx, dw, part, accumulate=True, dxb=None):
 
 
 # --- RoPE, half-split, in place on the first `heads` head-vectors of each row (q heads then k heads of
-#     the fused q|k|v buffer); position = pos0 + row % T; sign -1 rotates back (the backward pass) ---
+#     the fused q|k|v buffer); position = pos0 + row % T (fp32: plus state[0], a position on the device
+#     for generation); sign -1 rotates back (the backward pass) ---
 
 ROPE_SRC = r"""
 extern "C" __global__ void rope(float* __restrict__ u, const float* __restrict__ cosv, const float* __restrict__ sinv,
-                                int N, int T, int pos0, int heads, int hd, int S, float sign) {
+                                int N, int T, int pos0, int heads, int hd, int S, float sign,
+                                const int* __restrict__ state) {
     int half = hd / 2;
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)N * heads * half) return;
     int i = idx % half, hh = (idx / half) % heads;
     i64 n = idx / ((i64)half * heads);
-    int p = pos0 + (int)(n % T);
+    int p = state[0] + pos0 + (int)(n % T);
     float c = cosv[p * half + i], s = sign * sinv[p * half + i];
     float* r = u + n * S + hh * hd;
     float a = r[i], b = r[i + half];
@@ -529,15 +538,21 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ u, const float* __restri
 """
 
 
-def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
+_no_state = None    # a device [0]: the position offset of rope calls outside generation
+
+
+def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0, state=None):
+    global _no_state
     N, S = u.shape
     if u.dtype == BF:
         assert hd % 16 == 0 and S % 8 == 0
         _k("rope_bf16")(_blocks(N * heads * hd // 16), (256,), (u, cos, sin, I32(N), I32(T), I32(pos0), I32(heads),
                                                                 I32(hd), I32(S), F32(sign)))
         return
+    if state is None:
+        state = _no_state = _no_state if _no_state is not None else cp.zeros(1, np.int32)
     _k("rope")(_blocks(N * heads * hd // 2), (256,), (u, cos, sin, I32(N), I32(T), I32(pos0), I32(heads),
-                                                      I32(hd), I32(S), F32(sign)))
+                                                      I32(hd), I32(S), F32(sign), state))
 
 
 # --- SwiGLU on gu = [g | u] (N, 2F): act = silu(g) * u; backward writes [dg | du] over gu ---
@@ -1692,60 +1707,352 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
     _heads_copy(dqkv, ws["dv"], T, Hkv, hd, Cq + Ck, back=True)
 
 
-# --- inference attention over a KV cache (Hkv, ctx, hd) per layer: kv_store appends the new rotated
-#     keys and values; attn_cached runs one block per (new row, query head) over keys 0 .. pos0 + t ---
+# --- generation on the device. The KV cache of each layer is (streams, Hkv, ctx, hd) fp32. A decode step
+#     runs `rows` new tokens of every stream (row n = stream * rows + t) at positions pos + t, where pos is
+#     state[0] on the device: the host never passes a position by value, so one captured CUDA graph serves
+#     every step. state = [pos, step, ids of the step's rows...].
+#     rope_store rotates q and k and appends k and v to the cache; attn_cached runs one block per (row,
+#     query head, stream) over keys 0 .. pos + t; matvec is the decode step's matrix product (matvec_glu
+#     with SwiGLU on its input); sample_tokens draws each
+#     stream's next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each
+#     row's result depends on that row alone, never on how many rows the step has: a verify step of
+#     speculative decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
 
 INFER_SRC = r"""
-extern "C" __global__ void kv_store(const float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
-                                    int Tn, int pos0, int Hq, int Hkv, int hd, int ctx) {
+// RoPE on the q and k heads of each new row (in place) and the row's k and v into the cache: a thread per
+// (row, head, pair i / i + hd/2); heads Hq.. Hq+Hkv-1 are k, the rest v
+extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
+                                      const float* __restrict__ cosv, const float* __restrict__ sinv,
+                                      const int* __restrict__ state, int R, int rows, int Hq, int Hkv, int hd,
+                                      int ctx) {
+    int half = hd / 2, H = Hq + 2 * Hkv;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= Tn * Hkv * hd) return;
-    int d = idx % hd, j = (idx / hd) % Hkv, t = idx / (hd * Hkv);
-    int Cq = Hq * hd, Ck = Hkv * hd, S = Cq + 2 * Ck;
-    i64 c = ((i64)j * ctx + pos0 + t) * hd + d;
-    kc[c] = qkv[(i64)t * S + Cq + j * hd + d];
-    vc[c] = qkv[(i64)t * S + Cq + Ck + j * hd + d];
+    if (idx >= R * H * half) return;
+    int i = idx % half, hh = (idx / half) % H, n = idx / (half * H), b = n / rows, p = state[0] + n % rows;
+    float* r = qkv + (i64)n * H * hd + hh * hd;
+    float a = r[i], c = r[i + half];
+    if (hh < Hq + Hkv) {
+        float cs = cosv[p * half + i], sn = sinv[p * half + i];
+        float ra = a * cs - c * sn, rc = c * cs + a * sn;
+        r[i] = ra;
+        r[i + half] = rc;
+        a = ra;
+        c = rc;
+    }
+    if (hh >= Hq) {
+        int j = hh < Hq + Hkv ? hh - Hq : hh - Hq - Hkv;
+        float* cache = (hh < Hq + Hkv ? kc : vc) + (((i64)b * Hkv + j) * ctx + p) * hd;
+        cache[i] = a;
+        cache[i + half] = c;
+    }
 }
-extern "C" __global__ void attn_cached(const float* __restrict__ qkv, const float* __restrict__ kc,
-                                       const float* __restrict__ vc, float* __restrict__ out,
-                                       int pos0, int Hq, int Hkv, int hd, int ctx, float scale) {
-    extern __shared__ __align__(16) float sc[];          // [ctx] scores, then probabilities
-    int t = blockIdx.x, h = blockIdx.y, j = h / (Hq / Hkv), nk = pos0 + t + 1;
-    int Cq = Hq * hd, S = Cq + 2 * Hkv * hd;
-    const float* q = qkv + (i64)t * S + h * hd;
-    const float* K = kc + (i64)j * ctx * hd;
-    const float* Vv = vc + (i64)j * ctx * hd;
+// One block (256 threads) per (row, query head, stream) over keys 0 .. pos + t: a thread per key for the
+// scores (16-byte loads of the key), then 256 / hd groups of hd threads, group g summing the values of
+// keys g, g + groups, ..; the groups' partial sums are added in a fixed order. hd divides 256.
+extern "C" __global__ void __launch_bounds__(256) attn_cached(
+        const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
+        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int hd, int ctx,
+        float scale) {
+    extern __shared__ __align__(16) float sc[];          // [ctx] scores, then probabilities; [256] partials
+    int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, j = h / (Hq / Hkv), nk = state[0] + t + 1;
+    i64 n = (i64)b * rows + t;
+    int Cq = Hq * hd, S = Cq + 2 * Hkv * hd, hd4 = hd / 4;
+    const float4* q = reinterpret_cast<const float4*>(qkv + n * S + h * hd);
+    const float* K = kc + ((i64)b * Hkv + j) * ctx * hd;
+    const float* Vv = vc + ((i64)b * Hkv + j) * ctx * hd;
     float m = NEG_INF;
     for (int k = threadIdx.x; k < nk; k += blockDim.x) {
+        const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * hd);
         float s = 0.f;
-        for (int d = 0; d < hd; d++) s += q[d] * K[(i64)k * hd + d];
+        for (int d = 0; d < hd4; d++) {
+            float4 a = __ldg(q + d), c = __ldg(kr + d);
+            s += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+        }
         sc[k] = s * scale;
-        m = fmaxf(m, sc[k]);
+        m = fmaxf(m, s * scale);
     }
     m = block_max(m);
     float z = 0.f;
     for (int k = threadIdx.x; k < nk; k += blockDim.x) { float e = expf(sc[k] - m); sc[k] = e; z += e; }
     z = block_sum(z);                                     // its barrier also publishes sc[]
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float acc = 0.f;
-        for (int k = 0; k < nk; k++) acc += sc[k] * Vv[(i64)k * hd + d];
-        out[(i64)t * Cq + h * hd + d] = acc / z;
+    int groups = blockDim.x / hd, g = threadIdx.x / hd, d = threadIdx.x % hd;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int k = g; k < nk; k += groups) acc += sc[k] * __ldg(Vv + (i64)k * hd + d);
+    float* part = sc + ctx;
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < hd) {
+        float o = 0.f;
+        for (int i = 0; i < groups; i++) o += part[i * hd + d];
+        out[n * Cq + h * hd + d] = o / z;
     }
+}
+// out (R, N) = x (R, K) @ W (N, K)^T for the few rows of a decode step. A block of 8 warps takes 2 columns,
+// 4 warps each splitting K (16-byte loads, K % 4 == 0), for up to 8 rows of x at a time; the 4 partial sums
+// are added in a fixed order, so each row's result is the same for any R. GLU: x is [g | u] (R, 2K) and
+// the product takes silu(g) * u, SwiGLU's output, made on the fly.
+template <bool GLU> __device__ __forceinline__ float4 x_at(const float* __restrict__ x, int r, int k, int K) {
+    if (!GLU) return __ldg(reinterpret_cast<const float4*>(x + (i64)r * K) + k);
+    float4 g = __ldg(reinterpret_cast<const float4*>(x + (i64)r * 2 * K) + k);
+    float4 u = __ldg(reinterpret_cast<const float4*>(x + (i64)r * 2 * K + K) + k);
+    return make_float4(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y,
+                       g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
+}
+template <bool GLU> __device__ void matvec_rows(float* __restrict__ out, const float* __restrict__ x,
+                                                const float* __restrict__ W, int R, int K, int N) {
+    __shared__ float red[8][8];                           // [warp][row of the group]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp & 3;
+    int col = blockIdx.x * 2 + (warp >> 2), K4 = K >> 2;
+    const float4* w4 = reinterpret_cast<const float4*>(W + (i64)min(col, N - 1) * K);
+    for (int r0 = 0; r0 < R; r0 += 8) {
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (col < N) {
+#pragma unroll 4
+            for (int k = part * 32 + lane; k < K4; k += 128) {
+                float4 wv = __ldg(w4 + k);
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    if (r0 + r < R) {
+                        float4 xv = x_at<GLU>(x, r0 + r, k, K);
+                        acc[r] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            float s = warp_sum(acc[r]);
+            if (lane == 0) red[warp][r] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < 16) {
+            int c = threadIdx.x >> 3, r = threadIdx.x & 7, cc = blockIdx.x * 2 + c;
+            if (cc < N && r0 + r < R)
+                out[(i64)(r0 + r) * N + cc] = (red[4 * c][r] + red[4 * c + 1][r]) + (red[4 * c + 2][r] + red[4 * c + 3][r]);
+        }
+        __syncthreads();
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) matvec(float* __restrict__ out, const float* __restrict__ x,
+                                                         const float* __restrict__ W, int R, int K, int N) {
+    matvec_rows<false>(out, x, W, R, K, N);
+}
+extern "C" __global__ void __launch_bounds__(256) matvec_glu(float* __restrict__ out, const float* __restrict__ x,
+                                                             const float* __restrict__ W, int R, int K, int N) {
+    matvec_rows<true>(out, x, W, R, K, N);
+}
+// (value, id) pairs: the larger value first, the smaller id on a tie (numpy's first argmax)
+__device__ __forceinline__ bool before(float a, int ai, float b, int bi) { return a > b || (a == b && ai < bi); }
+__device__ void block_argmax(float& v, int& i) {          // every thread gets the block's first argmax
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    if (lane == 0) { sv[w] = v; si[w] = i; }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+}
+// block-wide exclusive prefix sum of one value per thread (in thread order); *total gets the sum
+__device__ float block_scan(float v, float* total) {
+    __shared__ float ws[33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float inc = v;
+    for (int o = 1; o < 32; o <<= 1) { float u = __shfl_up_sync(0xffffffffu, inc, o); if (lane >= o) inc += u; }
+    if (lane == 31) ws[w] = inc;
+    __syncthreads();
+    if (w == 0) {
+        float s = lane < nw ? ws[lane] : 0.f, si = s;
+        for (int o = 1; o < 32; o <<= 1) { float u = __shfl_up_sync(0xffffffffu, si, o); if (lane >= o) si += u; }
+        if (lane < nw) ws[lane] = si - s;
+        if (lane == 31) ws[32] = si;
+    }
+    __syncthreads();
+    float r = ws[w] + inc - v;
+    *total = ws[32];
+    __syncthreads();
+    return r;
+}
+// One block (1024 threads) per stream: pipeline.Sampling's rule on logits row b. z = the logits, with the
+// repetition penalty on the ids in seen; greedy takes the first argmax. Else z / temperature; the top_k
+// largest are kept (ties with the k-th too); p = exp(z - max); then the smallest prefix of the descending
+// order whose mass reaches top_p; the id is where the mass summed in id order first exceeds u * total,
+// u = uni[step * streams + b], drawn on the host from --seed's generator. The descending order comes
+// from a bitonic sort of (z, id) in shared memory over Vp = V rounded up to a power of two. The id goes
+// to tokens[step * streams + b], to state[2 + b] (the next step's input) and into seen.
+extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
+        const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
+        const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
+        float temperature, int top_k, float top_p, float penalty) {
+    extern __shared__ __align__(16) float sm[];
+    float* sv = sm;                                       // [Vp] keys, sorted in place
+    int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
+    float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
+    int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, streams = gridDim.x, step = state[1];
+    const float* z = logits + (i64)b * ldl;
+    int* sn = seen + (i64)b * V;
+    for (int v = tid; v < Vp; v += nt) {
+        float x = NEG_INF;
+        if (v < V) {
+            x = z[v];
+            if (penalty != 1.f && sn[v]) x = x > 0.f ? x / penalty : x * penalty;
+        }
+        sv[v] = x;
+        si[v] = v;
+    }
+    __syncthreads();
+    int tok;
+    if (temperature <= 0.f) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int v = tid; v < V; v += nt) if (before(sv[v], v, bv, bi)) { bv = sv[v]; bi = v; }
+        block_argmax(bv, bi);
+        tok = bi;
+    } else {
+        for (int v = tid; v < V; v += nt) sv[v] = sv[v] / temperature;
+        __syncthreads();
+        for (int k = 2; k <= Vp; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < Vp; i += nt) {
+                    int l = i ^ j;
+                    if (l > i && ((i & k) == 0 ? before(sv[l], si[l], sv[i], si[i]) : before(sv[i], si[i], sv[l], si[l]))) {
+                        float tv = sv[i]; sv[i] = sv[l]; sv[l] = tv;
+                        int ti = si[i]; si[i] = si[l]; si[l] = ti;
+                    }
+                }
+                __syncthreads();
+            }
+        float m = sv[0], kth = (top_k > 0 && top_k < V) ? sv[top_k - 1] : NEG_INF, total;
+        int C = (Vp + nt - 1) / nt, j0 = min(tid * C, Vp), j1 = min(j0 + C, Vp);
+        float loc = 0.f;
+        for (int j = j0; j < j1; j++) loc += sv[j] >= kth ? expf(sv[j] - m) : 0.f;
+        float run = block_scan(loc, &total);              // mass before this thread's part of the order
+        float cut = top_p < 1.f ? top_p * total : __int_as_float(0x7f800000);
+        for (int j = j0; j < j1; j++) {
+            float p = sv[j] >= kth ? expf(sv[j] - m) : 0.f;
+            if (si[j] < V) pv[si[j]] = (j == 0 || run < cut) ? p : 0.f;
+            run += p;
+        }
+        __syncthreads();
+        C = (V + nt - 1) / nt;
+        j0 = min(tid * C, V);
+        j1 = min(j0 + C, V);
+        loc = 0.f;
+        for (int v = j0; v < j1; v++) loc += pv[v];
+        run = block_scan(loc, &total);
+        float target = uni[(i64)step * streams + b] * total;
+        int first = V - 1;
+        for (int v = j0; v < j1; v++) {
+            run += pv[v];
+            if (run > target) { first = v; break; }
+        }
+        float fv = -(float)first;                         // the smallest id: the argmax of -id
+        block_argmax(fv, first);
+        tok = first;
+    }
+    if (tid == 0) {
+        tokens[(i64)step * streams + b] = tok;
+        state[2 + b] = tok;
+        sn[tok] = 1;
+    }
+}
+// greedy speculative decoding: the first argmax of each head at each row; one block per (row, head)
+extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V, int* __restrict__ out) {
+    const float* z = logits + (i64)blockIdx.x * V;
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) if (before(z[v], v, bv, bi)) { bv = z[v]; bi = v; }
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+extern "C" __global__ void advance(int* state, int dpos, int dstep) {
+    state[0] += dpos;
+    state[1] += dstep;
 }
 """
 
 
-def kv_store(qkv, kc, vc, pos0, Hq, Hkv, hd):
-    Tn = qkv.shape[0]
-    ctx = kc.shape[1]
-    _k("kv_store")(_blocks(Tn * Hkv * hd), (256,), (qkv, kc, vc, I32(Tn), I32(pos0), I32(Hq), I32(Hkv), I32(hd),
-                                                    I32(ctx)))
+def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
+    R, ctx = qkv.shape[0], kc.shape[2]
+    _k("rope_store")(_blocks(R * (Hq + 2 * Hkv) * hd // 2), (256,), (qkv, kc, vc, cos, sin, state, I32(R), I32(rows),
+                                                                     I32(Hq), I32(Hkv), I32(hd), I32(ctx)))
 
 
-def attn_cached(qkv, kc, vc, out, pos0, Hq, Hkv, hd):
-    Tn, ctx = qkv.shape[0], kc.shape[1]
-    _k("attn_cached")((Tn, Hq), (128,), (qkv, kc, vc, out, I32(pos0), I32(Hq), I32(Hkv), I32(hd), I32(ctx),
-                                         F32(1.0 / math.sqrt(hd))), shared_mem=ctx * 4)
+def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
+    R, ctx = qkv.shape[0], kc.shape[2]
+    assert 256 % hd == 0 and hd % 4 == 0 and R % rows == 0
+    _k("attn_cached")((rows, Hq, R // rows), (256,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(hd),
+                                                      I32(ctx), F32(1.0 / math.sqrt(hd))), shared_mem=(ctx + 256) * 4)
+
+
+MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a batch of streams) cuBLAS
+_blas = None        # [libcublas through ctypes, its workspace], or [None] where it cannot be found
+
+
+def sgemm_nt(C, A, W):
+    """C (M, N) = A (M, K) @ W (N, K).T by cuBLAS's sgemm called through ctypes, so that a CUDA graph can
+    capture it: CuPy's binding refuses any cuBLAS call during a capture, cuBLAS itself does not (given a
+    workspace of its own, set here, as graphs need). Falls back to mm where the library is not found."""
+    global _blas
+    if _blas is None:
+        import ctypes
+        _blas = [None]
+        with open("/proc/self/maps") as f:                   # the libcublas that CuPy has loaded
+            path = next((l.split()[-1] for l in f if re.search(r"/libcublas\.so[.\d]*$", l.strip())), None)
+        if path is not None:
+            lib = ctypes.CDLL(path)
+            work = cp.empty(32 << 20, np.uint8)
+            if lib.cublasSetWorkspace_v2(ctypes.c_void_p(_handle), ctypes.c_void_p(work.data.ptr),
+                                         ctypes.c_size_t(work.size)) == 0:
+                lib.cublasSgemm_v2.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 2 + \
+                    [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                _blas = [lib, work]
+    if _blas[0] is None:
+        return mm(C, A, W, tb=True)
+    (M, K), N = A.shape, W.shape[0]
+    assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
+    assert C.dtype == A.dtype == W.dtype == np.float32
+    err = _blas[0].cublasSgemm_v2(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, K, A.data.ptr, K, _ptr(0.0),
+                                  C.data.ptr, N)
+    if err:
+        raise RuntimeError(f"cublasSgemm_v2 failed with status {err}")
+
+
+def matvec(out, x, W, glu=False):
+    """out (R, N) = x (R, K) @ W (N, K).T, row by row (see INFER_SRC); glu: x is [g | u] (R, 2K), the product
+    takes silu(g) * u."""
+    R, N, K = x.shape[0], W.shape[0], W.shape[1]
+    assert out.shape == (R, N) and x.shape[1] == (2 * K if glu else K) and K % 4 == 0
+    assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
+    _k("matvec_glu" if glu else "matvec")(((N + 1) // 2,), (256,), (out, x, W, I32(R), I32(K), I32(N)))
+
+
+def sample_tokens(logits, seen, uni, state, tokens, sampling):
+    """One id per stream from logits (streams, >= V) by sampling's rule; see INFER_SRC."""
+    streams, V = seen.shape
+    Vp = 1 << max(V - 1, 1).bit_length()
+    smem = (2 * Vp + V) * 4
+    k = _k("sample_tokens")
+    k.max_dynamic_shared_size_bytes = smem         # with its static shared memory, over 48 KB from V = 4096
+    k((streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
+                            F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
+                            F32(sampling.repetition_penalty)), shared_mem=smem)
+
+
+def argmax_heads(logits, V, out):
+    """out[r * heads + k] = the first argmax of head k's logits at row r; logits (R, heads * V)."""
+    _k("argmax_heads")((logits.size // V,), (256,), (logits, I32(V), out))
 
 
 # --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
@@ -2502,100 +2809,295 @@ def train(a, defaults, resume, group=None):
     bpt = pl.bytes_per_token(tok, tokens)
     val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
     sampler = Sampler(trainer.model.P)
-    gen = lambda ids, n, rng: sampler.generate(ids, n, 0.8, 40, rng)
+    gen = lambda ids, n, rng: sampler.generate(ids, n, pl.Sampling(0.8, 40), rng)
     if state is None:
         print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
     pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
-    pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
+    sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
+    import evaluate
+    report = evaluate.write_report(a.out, dict(args, batch=world * A * B), P.cfg, *val_fn(), sample, engine="GPU",
+                                   peak_tflops=PEAK_TFLOPS * world)
+    print(f"report: {report}")
 
 
 # ----------------------------------------------------------------------------------------------------
-# sampling: head 0 with a KV cache on the device; nanoeuler's sample_token picks each id on the host
+# generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
+# graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
+# the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream)
+
+GEN_CHUNK = 8       # plain decoding: steps replayed between two reads of the new ids by the host
+
 
 class Sampler:
-    def __init__(self, P):
-        """P: DeviceParams (shared, not copied) or nanoeuler.Params (uploaded)."""
+    """Generation from fp32 weights: P is DeviceParams (shared, not copied: a training run samples its live
+    weights) or host Params (uploaded). Caches for `streams` sequences: generate() uses one, generate_batch()
+    up to `streams`. graphs=False launches every kernel from Python instead of replaying graphs."""
+
+    def __init__(self, P, streams=1, graphs=True):
         gpu()
         if isinstance(P, pl.Params):
             dp = DeviceParams(P.cfg)
             dp.upload(P)
             P = dp
         cfg = self.cfg = P.cfg
-        self.P = P
-        ctx, D, F, L = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers
+        self.P, self.streams, self.graphs = P, streams, graphs
+        ctx, D, F, L, V, K = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers, cfg.vocab, cfg.n_mtp
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        R = max(ctx, streams, K)                 # rows: a prompt, a step of every stream, a verify step
         e = lambda *s: cp.empty(s, np.float32)
-        self.xa, self.xb, self.h, self.tmp = e(ctx, D), e(ctx, D), e(ctx, D), e(ctx, D)
-        self.qkv, self.att = e(ctx, (Hq + 2 * Hkv) * hd), e(ctx, Hq * hd)
-        self.gu, self.act, self.r = e(ctx, 2 * F), e(ctx, F), e(ctx)
-        self.logit = e(1, cfg.vocab)
-        self.kc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
-        self.vc = [cp.zeros((Hkv, ctx, hd), np.float32) for _ in range(L)]
-        self.idx = cp.zeros(ctx, np.int32)
+        self.xa, self.xb, self.h, self.tmp = e(R, D), e(R, D), e(R, D), e(R, D)
+        self.qkv, self.att = e(R, (Hq + 2 * Hkv) * hd), e(R, Hq * hd)
+        self.gu, self.act, self.r = e(R, 2 * F), e(R, F), e(R)
+        self.lse = e(Hq * ctx)
+        self.logits = e(max(streams, K) * K * V)
+        self.kc = [cp.zeros((streams, Hkv, ctx, hd), np.float32) for _ in range(L)]
+        self.vc = [cp.zeros((streams, Hkv, ctx, hd), np.float32) for _ in range(L)]
+        # device state [pos, step, the step's input ids] and its pinned host staging; what graphs read
+        # must keep its address, so every buffer is made here once
+        self.state, self._state_h = cp.zeros(2 + R, np.int32), _pinned(2 + R)
+        self.seen = cp.zeros((streams, V), np.int32)                     # ids in each stream's text
+        self.uni = cp.zeros(ctx * streams, np.float32)                   # uniform numbers, (step, stream)
+        self.tokens, self._tokens_h = cp.zeros(ctx * streams, np.int32), _pinned(ctx * streams)
+        self.argmax, self._argmax_h = cp.zeros(K * K, np.int32), _pinned(K * K)
+        self._logits_h = _pinned(K * K * V, np.float32)
         cos, sin = pl.rope_tables(ctx, hd, np.float64)
         self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
-        self.len = 0
+        self.stream = cp.cuda.Stream()           # blocking: ordered with the default stream that training uses
+        self._graphs = {}
+        self.pos = 0                             # the cache holds positions 0 .. pos-1 (host's copy)
 
-    def forward(self, ids):
-        """Appends ids at positions self.len.. to the cache; -> head-0 logits of the last one (host)."""
-        cfg, P, Tn, pos0 = self.cfg, self.P, len(ids), self.len
-        assert 0 < Tn and pos0 + Tn <= cfg.ctx
+    # --- the passes ---
+    def _mm(self, C, A, W, act=None):
+        """C = A @ W.T; with act (a scratch), C = swiglu(A) @ W.T."""
+        if A.shape[0] <= MATVEC_ROWS and W.shape[1] % 4 == 0:
+            return matvec(C, A, W, glu=act is not None)      # exact whatever the step's row count
+        if act is not None:
+            swiglu_fwd(A, act)
+            A = act
+        sgemm_nt(C, A, W)
+
+    def _lg(self, rows, heads):
+        """The logits buffer as (rows, heads * V)."""
+        n = heads * self.cfg.vocab
+        return self.logits[:rows * n].reshape(rows, n)
+
+    def _forward(self, rows, streams, heads, prefill=False):
+        """The model over `rows` new ids per stream (state[2:], row = stream * rows + t) at positions
+        state[0] + t, appended to the caches; -> heads' logits of each row in _lg (prefill: the last row)."""
+        cfg, P, R = self.cfg, self.P, rows * streams
         hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
-        self.idx[:Tn].set(np.asarray(ids, np.int32))
-        x, x2, h, tmp, r = self.xa[:Tn], self.xb[:Tn], self.h[:Tn], self.tmp[:Tn], self.r[:Tn]
-        qkv, att, gu, act = self.qkv[:Tn], self.att[:Tn], self.gu[:Tn], self.act[:Tn]
-        embed_fwd(P["tok_emb"], self.idx[:Tn], x)
+        x, x2, h, tmp, r = self.xa[:R], self.xb[:R], self.h[:R], self.tmp[:R], self.r[:R]
+        qkv, att, gu, act = self.qkv[:R], self.att[:R], self.gu[:R], self.act[:R]
+        embed_fwd(P["tok_emb"], self.state[2:2 + R], x)
         rmsnorm_fwd(x, P["layers.0.attn_norm"], h, r)
         for l in range(L):
             p = f"layers.{l}."
-            mm(qkv, h, P.rows(p + "wq", p + "wv"), tb=True)
-            rope(qkv, self.cos, self.sin, Tn, Hq + Hkv, hd, pos0=pos0)
-            kv_store(qkv, self.kc[l], self.vc[l], pos0, Hq, Hkv, hd)
-            attn_cached(qkv, self.kc[l], self.vc[l], att, pos0, Hq, Hkv, hd)
-            mm(tmp, att, P[p + "wo"], tb=True)
+            self._mm(qkv, h, P.rows(p + "wq", p + "wv"))
+            rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, self.state, rows, Hq, Hkv, hd)
+            if prefill and hd in (32, 64):                                  # the prompt starts at 0
+                flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
+            else:
+                attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd)
+            self._mm(tmp, att, P[p + "wo"])
             rmsnorm_fwd(x, P[p + "ffn_norm"], h, r, add=tmp, xout=x2)      # x2 = x + attention
             x, x2 = x2, x
-            mm(gu, h, P.rows(p + "w1", p + "w3"), tb=True)
-            swiglu_fwd(gu, act)
-            mm(tmp, act, P[p + "w2"], tb=True)
+            self._mm(gu, h, P.rows(p + "w1", p + "w3"))
+            self._mm(tmp, gu, P[p + "w2"], act)                              # swiglu(gu) @ w2.T
             nxt = "norm" if l == L - 1 else f"layers.{l + 1}.attn_norm"
             rmsnorm_fwd(x, P[nxt], h, r, add=tmp, xout=x2)                  # x2 = x + ffn
             x, x2 = x2, x
-        mm(self.logit, h[Tn - 1:Tn], P["heads.0"], tb=True)
-        self.len += Tn
-        return cp.asnumpy(self.logit)[0]
+        last = h[R - 1:R] if prefill else h
+        self._mm(self._lg(len(last), heads), last, P.rows("heads.0", f"heads.{heads - 1}"))
 
-    def generate(self, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None):
-        """Yields up to max_new sampled ids, like nanoeuler.generate (stops at the context)."""
+    def _prefill(self, ids, streams, heads):
+        """The prompt into stream 0's cache (copied to streams 1..), its last row's logits in _lg rows
+        0..streams-1, each stream's seen ids set; state = [0, 0] after."""
+        Tn, V = len(ids), self.cfg.vocab
+        self._set_state(0, ids)
+        self._forward(Tn, 1, heads, prefill=True)
+        if streams > 1:
+            lg = self._lg(streams, heads)
+            lg[1:] = lg[0]
+            for kc, vc in zip(self.kc, self.vc):
+                kc[1:streams, :, :Tn] = kc[0, :, :Tn]
+                vc[1:streams, :, :Tn] = vc[0, :, :Tn]
+        self.seen[:streams] = cp.asarray((np.bincount(ids, minlength=V)[:V] > 0).astype(np.int32))
+        self.pos = Tn
+
+    def _set_state(self, pos, ids):
+        """state = [pos, 0, ids] in one copy (the host buffer is free: every use ends in a sync)."""
+        h = self._state_h
+        h[0], h[1], h[2:2 + len(ids)] = pos, 0, ids
+        self.state[:2 + len(ids)].set(h[:2 + len(ids)], stream=self.stream)
+
+    def _run(self, key, fn):
+        """fn's kernels: launched on first use (which also compiles them), captured as a CUDA graph, then
+        replayed: one launch for a whole step. Everything fn reads is a fixed buffer or baked into key."""
+        g = self._graphs.get(key)
+        if g is not None:
+            return g.launch(self.stream)
+        fn()
+        if not self.graphs:
+            return
+        try:
+            self.stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = self.stream.end_capture()
+        except Exception as e:                   # e.g. a cuBLAS that cannot be captured: slower, still right
+            print(f"[CUDA graph capture failed ({type(e).__name__}: {e}); launching from Python]", file=sys.stderr)
+            self.graphs = False
+            return
+        self._graphs[key] = graph
+
+    def _on_stream(self):
+        """The sampler's kernels and cuBLAS calls on its own stream (capture needs one), until closed."""
+        sampler = self
+
+        class _On:
+            def __enter__(self):
+                sampler.stream.__enter__()
+                cublas.setStream(_handle, sampler.stream.ptr)
+
+            def __exit__(self, *exc):
+                cublas.setStream(_handle, 0)
+                sampler.stream.__exit__(*exc)
+        return _On()
+
+    def _host(self, dev, host, n):
+        """The first n items of a device buffer, through its pinned copy (a sync)."""
+        dev[:n].get(out=host[:n], stream=self.stream)
+        self.stream.synchronize()
+        return host[:n]
+
+    # --- plain decoding: the id drawn on the device; the host reads the ids every GEN_CHUNK steps ---
+    def _plain(self, ids, max_new, sampling, rng, streams):
+        """Yields (steps, streams) arrays of ids, GEN_CHUNK steps at a time, up to max_new or the context."""
+        n = min(max_new, self.cfg.ctx - len(ids))
+        key = ("plain", streams) + tuple(asdict(sampling).values())
+        with self._on_stream():
+            self._prefill(ids, streams, 1)
+            if sampling.temperature > 0:         # the numbers the CPU engine draws, in its order
+                self.uni[:n * streams].set(rng.random(n * streams).astype(np.float32), stream=self.stream)
+            sample_tokens(self._lg(streams, 1), self.seen[:streams], self.uni, self.state, self.tokens, sampling)
+            _k("advance")((1,), (1,), (self.state, I32(len(ids)), I32(1)))
+        done, made = 0, 1
+        while done < n:
+            with self._on_stream():
+                for _ in range(min(GEN_CHUNK, n - made)):
+                    self._run(key, lambda: self._decode_step(streams, sampling))
+                    made += 1
+                out = self._host(self.tokens[done * streams:], self._tokens_h, (made - done) * streams)
+            yield out.reshape(made - done, streams).copy()
+            done = made
+        self.pos = len(ids) + n - 1
+
+    def _decode_step(self, streams, sampling):
+        self._forward(1, streams, 1)
+        sample_tokens(self._lg(streams, 1), self.seen[:streams], self.uni, self.state, self.tokens, sampling)
+        _k("advance")((1,), (1,), (self.state, I32(1), I32(1)))
+
+    # --- speculative decoding ---
+    def forward(self, ids, argmax=False):
+        """ids appended to the cache at positions pos.. (the prompt, prefilled, when the cache is empty)
+        -> every head's logits at each, (rows, n_mtp, V) on the host (the prompt: its last row); argmax:
+        their first argmaxes instead, (rows, n_mtp), all that greedy speculative decoding needs (ids, not
+        logits, cross to the host). The forward of pl.speculative_decode, and of the tests."""
+        K, V = self.cfg.n_mtp, self.cfg.vocab
+        with self._on_stream():
+            if self.pos == 0:
+                self._prefill(ids, 1, K)
+                rows = 1
+                if argmax:
+                    argmax_heads(self._lg(1, K), V, self.argmax)
+            else:
+                rows = len(ids)
+                self._set_state(self.pos, ids)
+                self._run(("verify", rows, argmax), lambda: (self._forward(rows, 1, K), argmax and
+                                                             argmax_heads(self._lg(rows, K), V, self.argmax)))
+                self.pos += rows
+            if argmax:
+                return self._host(self.argmax, self._argmax_h, rows * K).reshape(rows, K).copy()
+            return self._host(self.logits, self._logits_h, rows * K * V).reshape(rows, K, V).copy()
+
+    # --- the interface of both engines ---
+    def generate(self, prompt_ids, max_new, sampling=None, rng=None, speculative=False, stats=None):
+        """Yields up to max_new ids after the prompt (stops at the context), like nanoeuler.generate: the
+        same rule, and with the same seed the same random numbers in the same order."""
+        sampling = sampling or pl.Sampling()
         rng = rng if rng is not None else np.random.default_rng(0)
         pl.check_prompt(len(prompt_ids), self.cfg.ctx)
-        self.len = 0
-        ids = list(prompt_ids)
-        logits = self.forward(ids)
-        for _ in range(max_new):
-            t = pl.sample_token(logits, temperature, top_k, rng)
-            yield t
-            ids.append(t)
-            if len(ids) >= self.cfg.ctx:
-                return
-            logits = self.forward([t])
+        self.pos = 0
+        if speculative and self.cfg.n_mtp > 1:
+            ids_only = sampling.temperature <= 0 and sampling.repetition_penalty == 1.0
+            yield from pl.speculative_decode(lambda ids: self.forward(ids, argmax=ids_only),
+                                             lambda n: setattr(self, "pos", n), prompt_ids, max_new, sampling, rng,
+                                             stats, self.cfg.n_mtp, self.cfg.ctx)
+            return
+        for chunk in self._plain(list(prompt_ids), max_new, sampling, rng, 1):
+            yield from (int(t) for t in chunk[:, 0])
+
+    def generate_batch(self, prompt_ids, n, max_new, sampling, rng):
+        """n continuations of one prompt in one batch (plain decoding); -> n lists of ids."""
+        if n > self.streams:
+            raise UserError(f"--samples {n}: this sampler holds {self.streams} streams")
+        pl.check_prompt(len(prompt_ids), self.cfg.ctx)
+        out = np.concatenate(list(self._plain(list(prompt_ids), max_new, sampling, rng, n)))
+        return [out[:, r].tolist() for r in range(n)]
+
+
+def bench_generation(P, prompt, n=200, streams=64, reps=3):
+    """Greedy generation of n tokens after the prompt: plain and speculative (one stream; the same ids) and
+    `streams` continuations in one batch; each run once untimed (compiles, captures the graphs), then the
+    best of reps."""
+    greedy, one, many = pl.Sampling(0), Sampler(P), Sampler(P, streams=streams)
+
+    def timed(fn):
+        out, best = fn(), float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t0)
+        return best, out
+    stats = {}
+    t_plain, plain = timed(lambda: list(one.generate(prompt, n, greedy)))
+    t_spec, spec = timed(lambda: list(one.generate(prompt, n, greedy, speculative=True, stats=stats)))
+    assert spec == plain, "speculative decoding changed the greedy ids"
+    t_batch, outs = timed(lambda: many.generate_batch(prompt, streams, n, greedy, np.random.default_rng(0)))
+    return dict(tokens=len(plain), plain=len(plain) / t_plain, speculative=len(spec) / t_spec,
+                speedup=t_plain / t_spec, accepted=stats["accepted"] / max(stats["drafted"], 1), streams=streams,
+                batch=sum(map(len, outs)) / t_batch)
+
+
+def gpu_generate(sampler, a, stats=None):
+    """generate_fn(ids, n, rng) for the pipeline's sample and chat loops, with a's sampling flags."""
+    sampling = pl.sampling_of(a)
+    return lambda ids, n, rng: sampler.generate(ids, n, sampling, rng, speculative=a.speculative, stats=stats)
 
 
 def cmd_infer(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sample", description="generate text from a checkpoint")
     p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
     p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
-    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
+    p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
+    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8, generation=True, speculative=True)
     a = p.parse_args(argv)
     prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
     pl.check_sampling(a)
     gpu()
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
-    sampler = Sampler(P)
-    n, dt = pl.sample_to_stdout(tok, lambda ids, k, rng: sampler.generate(ids, k, a.temperature, a.top_k, rng),
-                                prompt, a, P.cfg.ctx)
-    print(f"[{n} tokens, {n / max(dt, 1e-9):,.0f} tokens/s with the KV cache]", file=sys.stderr)
+    sampler = Sampler(P, streams=a.samples)
+    if a.samples > 1:
+        sampling = pl.sampling_of(a)
+        n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: sampler.generate_batch(ids, k, m, sampling, rng),
+                                     prompt, a, P.cfg.ctx)
+        print(pl.speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
+        return
+    stats = {}
+    n, dt = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
+    print(pl.speed_line(n, dt, a.speculative, stats), file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2619,15 +3121,257 @@ def cmd_sft(argv):
 def cmd_chat(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py chat", description="talk to a checkpoint (the conversation is kept within "
                   "the context; a chat checkpoint wraps each line in the SFT template)")
-    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
+    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7, generation=True, speculative=True)
     a = p.parse_args(argv)
     pl.check_sampling(a)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    sampler = Sampler(P)
     rng = np.random.default_rng(a.seed)
-    gen = lambda ids, n: sampler.generate(ids, n, a.temperature, a.top_k, rng)
-    pl.chat_repl(tok, gen, extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+    gen = gpu_generate(Sampler(P), a)
+    pl.chat_repl(tok, lambda ids, n: gen(ids, n, rng), extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
+
+
+def cmd_serve(argv):
+    import serve
+    p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
+    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", generation=True, speculative=True)
+    a = p.parse_args(argv)
+    gpu()
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    sampler = Sampler(P)                             # one worker thread generates: one KV cache is enough
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda ids, n, sampling, rng: sampler.generate(
+        ids, n, sampling=sampling, rng=rng, speculative=a.speculative), "GPU")
+
+
+# ----------------------------------------------------------------------------------------------------
+# DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
+# there). Its log-prob of each row's targets scores HellaSwag and bits per byte (evaluate.py) and gives
+# DPO's sequence log-probs (CONTRACT.md "DPO"). DPO's gradient with respect to the logits of row b is
+# c_b (softmax - onehot) on head 0 at its counted targets, c_b = -d loss / d logp_b (pl.dpo_loss): the
+# cross-entropy gradient that xent and xent_chunk write, with c_b as the head's scale, a sequence at a
+# time; Model.backward goes on from there. The MTP heads take no part (zero gradient).
+
+class Head0:
+    """Head 0 on a Model's rows after model.forward(want_loss=False): token_logp() -> the log-probs of the
+    uploaded targets; dpo_backward(c) (a training Model) -> the whole gradient in model.G."""
+
+    def __init__(self, model):
+        m, V = model, model.cfg.vocab
+        self.m = m
+        self.rows = min(m.N, max(1, 4096 // m.T) * m.T)          # a chunk of whole sequences, <= 4096 rows
+        self.lg = cp.empty((self.rows, V), np.float32)           # head 0's logits of a chunk
+        self.one = cp.ones(1, np.float32)
+        if m.train and m.bf:
+            self.dl = cp.empty((m.T, V), BF)                      # d loss / d logits of one sequence
+            self.scale = cp.empty(m.B, np.float32)                # c_b
+        elif m.train:
+            self.scale = cp.empty((m.B, m.cfg.n_mtp), np.float32)     # xent's head scales (c_b, 0, ..)
+            self.rl = cp.empty((m.cfg.n_mtp, m.T), np.float32)        # and its losses, unused
+
+    def _loss(self):
+        """model.rowloss[0] = -log p(target) under head 0 at every position, 0 where the target is -1. Per
+        chunk one GEMM makes head 0's logits and xent its loss, lse - logit, no gradient."""
+        m = self.m
+        W = (m.Pb if m.bf else m.P)["heads.0"]
+        for n0 in range(0, m.N, self.rows):
+            n1 = min(m.N, n0 + self.rows)
+            mm(self.lg[:n1 - n0], m.hf[n0:n1], W, tb=True)
+            xent(self.lg[:n1 - n0], m.tgt[n0:n1], self.one, m.rowloss[0, n0:n1], m.T, 1, False)
+        return m.rowloss[0].reshape(m.B, m.T)
+
+    def token_logp(self):
+        """-> (B, T) float64 on the host: log p(target) under head 0 at every position, 0 where the target is
+        -1 (a sync)."""
+        return -cp.asnumpy(self._loss()).astype(np.float64)
+
+    def seq_logp(self):
+        """-> (B,) float64 on the device: head 0's log-probs summed over each row's counted targets (no sync)."""
+        return -self._loss().astype(np.float64).sum(1)
+
+    def dpo_backward(self, c):
+        """c (B,) on the device: backward from d loss / d logits of row b = c_b (softmax - onehot) on head 0 at
+        its counted targets, 0 on the MTP heads; the gradient of every tensor goes to model.G."""
+        m, T, K = self.m, self.m.T, self.m.cfg.n_mtp
+        if m.bf:                                                  # the fused loss head's work, head 0 alone
+            self.scale[...] = c
+            W, G0 = m.Pb["heads.0"], m.G["heads.0"]
+            for b in range(m.B):
+                rows = slice(b * T, (b + 1) * T)
+                mm(self.lg[:T], m.hf[rows], W, tb=True)
+                xent_chunk(self.lg[:T], self.dl, m.tgt, self.scale[b:b + 1], m.rowloss, b * T, T, 1, True)
+                mm(G0, self.dl, m.hf[rows], ta=True, beta=1.0 if b else 0.0)   # dHead0 (+)= dl^T hf
+                mm(m.dh[rows], self.dl, W)                                      # its rows of dhf
+            if K > 1:
+                m.G.rows("heads.1", f"heads.{K - 1}").fill(0)
+        else:                                                     # dlogits of every head in place, as forward
+            self.scale.fill(0)
+            self.scale[:, 0] = c
+            mm(m.logits, m.hf, m.P.rows("heads.0", f"heads.{K - 1}"), tb=True)
+            for b in range(m.B):
+                rows = slice(b * T, (b + 1) * T)
+                xent(m.logits[rows], m.tgt[rows], self.scale[b], self.rl, T, K, True)
+        m.backward()
+
+
+class DPOTrainer:
+    """pl.run_dpo's trainer over make_trainer's model and AdamW: step(x, (y, ref), lr) on x, y (2B, T), the
+    chosen answers in rows [:B], the rejected in [B:]. No host sync in a step: pl.dpo_loss turns the rows'
+    log-probs into d loss / d logp in float64 on the device, and Head0's backward follows it; losses and
+    gradient norms wait on the device until results(), as in pretraining."""
+    sync_every_step = False
+
+    def __init__(self, trainer, beta):
+        self.model, self.opt, self.beta, self.host_state = trainer.model, trainer.opt, beta, trainer.host_state
+        self.head = Head0(self.model)
+        self.n, self.hist = 0, cp.zeros((64, 2), np.float64)     # per step: loss, gradient norm
+
+    def seq_logps(self, x, y):
+        """(rows,) float64: head 0's log-probs summed over each row's counted targets, no gradient."""
+        self.model.set_batch(x, y)
+        self.model.forward(want_loss=False)
+        return cp.asnumpy(self.head.seq_logp())
+
+    def loss_and_grad(self, x, y, ref):
+        """The DPO loss of a batch of pairs (a float64 device scalar) and its gradient in model.G."""
+        self.model.set_batch(x, y, want_grad=True)
+        self.model.forward(want_loss=False)
+        loss, dlogp = pl.dpo_loss(self.head.seq_logp(), cp.asarray(ref, np.float64), self.beta, xp=cp)
+        self.head.dpo_backward(-dlogp)
+        return loss
+
+    def step(self, x, y_ref, lr):
+        """A NaN loss is seen in results(), and train_loop stops before it writes a checkpoint."""
+        loss = self.loss_and_grad(x, *y_ref)
+        self.opt.step(lr)
+        if self.n == len(self.hist):
+            self.hist = cp.concatenate([self.hist, cp.zeros_like(self.hist)])
+        self.hist[self.n, 0] = loss
+        self.hist[self.n, 1] = self.opt.norm[0]
+        self.n += 1
+
+    def results(self):
+        rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
+        return [(float(loss), [float(loss)], float(norm)) for loss, norm in rows]
+
+
+def cmd_dpo(argv):
+    p = pl.Parser(prog="nanoeuler_cuda.py dpo", description="direct preference optimisation (CONTRACT.md \"DPO\") of "
+                  "a chat checkpoint on pairs of a chosen and a rejected answer, against itself frozen; writes a chat "
+                  "checkpoint")
+    pl.add_dpo_flags(p, ckpt="out/gpu_chat/ckpt.npz", out="out/gpu_dpo", steps=75, batch=8, lr=1e-5)
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
+    add_precision_flag(p)
+    a = p.parse_args(argv)
+    pl.check_positive(a, "steps", "batch")
+    gpu()
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    precision = check_precision(a.precision or "bf16", P.cfg, a.attn, explicit=a.precision is not None)
+    trainer = DPOTrainer(make_trainer(P, 2 * a.batch, P.cfg.ctx, a.attn, precision=precision), a.beta)
+    print(f"{2 * a.batch} rows x {P.cfg.ctx} a step, {PRECISION_WORDS[precision]}", flush=True)
+    pl.run_dpo(a, P, tok, extra, lambda: trainer, trainer.seq_logps, fixed_shape=True)
+
+
+# The DPO loss through the whole model on the GPU against nanoeuler.dpo_loss_and_grads in float64 on the same
+# weights and pairs, tensor by tensor, with the tolerances of the gradient check (gradcheck --dpo).
+GRADCHECK_DPO = [  # (tag, config, pairs, T, attention): tiny's head dim 8 has the naive attention alone
+    ("tiny", pl.CONFIGS["tiny"], 2, 64, "naive"),
+    ("small", pl.CONFIGS["small"], 2, 128, "flash"),
+]
+
+
+def gradcheck_dpo(precision, seed, beta=0.5):
+    ne = cpu_reference()
+    rng = np.random.default_rng(seed)
+    bf, rows, tol = precision == "bf16", [], GRADCHECK_TOL[precision]
+    for tag, cfg, B, T, attn in GRADCHECK_DPO:
+        if bf and attn != "flash":
+            continue
+        P = gradcheck_params(cfg, rng, scale=0.05 if bf else 0.1, bf16=bf)
+        x = rng.integers(0, cfg.vocab, (2 * B, T)).astype(np.int32)
+        y = rng.integers(0, cfg.vocab, (2 * B, T)).astype(np.int32)
+        y[:, :T // 4] = -1                                       # the prompt
+        y[rng.random(y.shape) < 0.1] = -1
+        P64 = P.astype(np.float64)
+        ref = ne.seq_logps(P64, x, y) + rng.normal(0.0, 3.0, 2 * B)     # pairs away from z = 0
+        loss_r, G_r = ne.dpo_loss_and_grads(P64, x, y, ref, beta)
+        t = DPOTrainer(make_trainer(P, 2 * B, T, attn, precision=precision), beta)
+        t.model.G.flat.fill(np.nan)                              # every gradient must be written
+        loss = float(t.loss_and_grad(x, y, ref))
+        G = t.model.G.download()
+        head = f"[{tag}: D={cfg.dim} L={cfg.n_layers} MTP={cfg.n_mtp} {B} pairs T={T} {attn} beta={beta}]"
+        rows.append((f"{head} DPO loss", abs(loss - loss_r) / abs(loss_r), tol))
+        rows += [(f"{tag} {name}", rel_err(G[name], G_r[name]), tol) for name in G.names]
+    return gradcheck_verdict(rows, "DPO gradient check", f"GPU {precision} vs nanoeuler.dpo_loss_and_grads float64 on "
+                             "the same weights and pairs", precision)
+
+
+EVAL_TOKENS = 16384     # rows x T of one scoring forward
+
+
+def gpu_logprobs(P, B, T, precision, attn):
+    """evaluate.py's logprobs_fn on the device: sequences of at most T ids, B rows a forward (each padded at
+    its end: causal attention keeps it exact) -> head 0's log-prob of each next id (float64 arrays)."""
+    model = Model(P.cfg, B, T, attn=attn, train=False, precision=precision)
+    model.load(P)
+    set_tf32(precision == "tf32")
+    head = Head0(model)
+
+    def fn(seqs):
+        out = []
+        for i in range(0, len(seqs), B):
+            part = seqs[i:i + B]
+            x, y = np.zeros((B, T), np.int32), np.full((B, T), -1, np.int32)
+            for r, s in enumerate(part):
+                x[r, :len(s)], y[r, :len(s) - 1] = s, s[1:]
+            model.set_batch(x, y)
+            model.forward(want_loss=False)
+            logp = head.token_logp()
+            out += [logp[r, :len(s) - 1] for r, s in enumerate(part)]
+        return out
+    return fn
+
+
+def gpu_hellaswag(tok, items, P, precision, attn, warn=None):
+    """evaluate.hellaswag, every (context, ending) of every item scored first in batches of (B, T): T the
+    longest sequence rounded up to 64 (at most the context), B = EVAL_TOKENS // T."""
+    import evaluate
+    seqs = [s for item in items for s in evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)[0]]
+    T = min(P.cfg.ctx, -(-max(map(len, seqs)) // 64) * 64)
+    scores = gpu_logprobs(P, min(len(seqs), max(1, EVAL_TOKENS // T)), T, precision, attn)(seqs)
+    done = 0
+
+    def logprobs(ss):                                   # evaluate asks again, item by item, in the same order
+        nonlocal done
+        assert ss == seqs[done:done + len(ss)]
+        done += len(ss)
+        return scores[done - len(ss):done]
+    return evaluate.hellaswag(tok, items, logprobs, P.cfg.ctx, warn)
+
+
+def cmd_eval(argv):
+    import evaluate
+    p = pl.Parser(prog="nanoeuler_cuda.py eval", description=evaluate.EVAL_HELP + "; batched on the GPU")
+    evaluate.add_eval_flags(p, "out/gpu/ckpt.npz")
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
+    add_precision_flag(p)
+    a = p.parse_args(argv)
+    evaluate.check_eval_args(a)
+    gpu()
+    P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+    precision = check_precision(a.precision or "bf16", P.cfg, a.attn, explicit=a.precision is not None)
+    t0 = time.time()
+    print(PRECISION_WORDS[precision], flush=True)
+    evaluate.run_eval(a, tok, P.cfg.ctx, gpu_logprobs(P, 8, P.cfg.ctx, precision, a.attn) if a.task == "bpb" else None,
+                      lambda tok, items, warn: gpu_hellaswag(tok, items, P, precision, a.attn, warn))
+    print(f"[{time.time() - t0:.1f} s]", file=sys.stderr)
+
+
+def cmd_plot(argv):
+    import evaluate
+    p = pl.Parser(prog="nanoeuler_cuda.py plot", description=evaluate.PLOT_HELP)
+    evaluate.add_plot_flags(p)
+    a = p.parse_args(argv)
+    print(f"wrote {evaluate.plot(a.runs, a.out)}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2789,17 +3533,7 @@ def selftest_checks(rng):
             R.append((f"{tag} bwd dq", rel_err(d[:, :Cq], dqkv_r[:, :Cq]), tol))
             R.append((f"{tag} bwd dk", rel_err(d[:, Cq:Cq + Ck], dqkv_r[:, Cq:Cq + Ck]), tol))
             R.append((f"{tag} bwd dv", rel_err(d[:, Cq + Ck:], dqkv_r[:, Cq + Ck:]), tol))
-    # inference attention over a KV cache: a 7-token prefill, then 3 more tokens
-    hd, Hq, Hkv, T, ctx = 32, 4, 2, 10, 40
-    Cq, Ck = Hq * hd, Hkv * hd
-    qkv = randn(T, Cq + 2 * Ck) * 1.5
-    out_r = ne.attention_forward(qkv[:, :Cq].reshape(T, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(T, Hkv, hd),
-                                 qkv[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq)
-    kc, vc, out, g = _nan(Hkv, ctx, hd), _nan(Hkv, ctx, hd), _nan(T, Cq), _d(qkv)
-    for a, b in ((0, 7), (7, 10)):
-        kv_store(g[a:b], kc, vc, a, Hq, Hkv, hd)
-        attn_cached(g[a:b], kc, vc, out[a:b], a, Hq, Hkv, hd)
-    R.append(("KV-cache attention (prefill + decode)", rel_err(out, out_r), tol))
+    R += selftest_generation(rng, randn, tol)
     # gradient norm, clipping and AdamW on the tiny config's layout (decay only on matrices/embedding)
     cfg = pl.CONFIGS["tiny"]
     n = pl.num_params(cfg)
@@ -2838,6 +3572,66 @@ def selftest_checks(rng):
     set_tf32(False)
     R.append(("gemm fp32 (cuBLAS, 4 transposes + batched)", errs[False], tol))
     R.append(("gemm TF32 (must be > 1e-4: TF32 engaged)", errs[True], 1e-2 if errs[True] > 1e-4 else -1))
+    return R
+
+
+def selftest_generation(rng, randn, tol):
+    """The generation kernels: RoPE and KV-cache attention of 3 streams (a 7-token prefill, then a 3-row
+    step, the position on the device), matvec (each row exact whatever the row count), the device sampler against
+    pipeline.Sampling with the same uniform numbers, and argmax_heads."""
+    ne, R = cpu_reference(), []
+    hd, Hq, Hkv, T, ctx, ns = 32, 4, 2, 10, 40, 3
+    Cq, Ck = Hq * hd, Hkv * hd
+    qkv = randn(ns, T, Cq + 2 * Ck) * 1.5
+    cos, sin = pl.rope_tables(ctx, hd, np.float64)
+    kc, vc, out = _nan(ns, Hkv, ctx, hd), _nan(ns, Hkv, ctx, hd), _nan(ns, T, Cq)
+    for a, b in ((0, 7), (7, 10)):
+        state = cp.asarray(np.array([a, 0], np.int32))
+        g, o = _d(qkv[:, a:b].reshape(-1, Cq + 2 * Ck)), _nan(ns * (b - a), Cq)
+        rope_store(g, kc, vc, _d(cos), _d(sin), state, b - a, Hq, Hkv, hd)
+        attn_cached(g, kc, vc, o, state, b - a, Hq, Hkv, hd)
+        out[:, a:b] = o.reshape(ns, b - a, Cq)
+    pos = np.arange(T, dtype=np.int32)
+    rot = lambda u, H: ne.rope_forward(u.reshape(T, H, hd), pos, cos, sin)
+    out_r = np.stack([ne.attention_forward(rot(q[:, :Cq], Hq), rot(q[:, Cq:Cq + Ck], Hkv),
+                                           q[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq) for q in qkv])
+    R.append(("RoPE + KV-cache attention, 3 streams (prefill + 3-row step)", rel_err(out, out_r), tol))
+    x, W, gu = randn(11, 200), randn(70, 200), randn(11, 400)
+    o11, o1, og = _nan(11, 70), _nan(1, 70), _nan(11, 70)
+    matvec(o11, _d(x), _d(W))
+    matvec(o1, _d(x[5:6]), _d(W))
+    matvec(og, _d(gu), _d(W), glu=True)
+    R.append(("matvec 11 rows", rel_err(o11, x @ W.T), tol))
+    R.append(("matvec: row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
+    R.append(("matvec with SwiGLU on its input", rel_err(og, ne.swiglu_forward(gu) @ W.T), tol))
+    V, ns, steps = 300, 4, 3
+    logits = (randn(steps, ns, V) * 3).astype(np.float32)
+    logits[..., 7] = logits[..., 9]                                     # a tie: the smaller id first
+    uni = rng.random(steps * ns)
+    hist = [list(rng.integers(0, V, 5)) for _ in range(ns)]
+    bad = 0
+    for sampling in (pl.Sampling(0), pl.Sampling(0.8, 40), pl.Sampling(1.3, 0, 0.9), pl.Sampling(0.7, 20, 0.8, 1.3),
+                     pl.Sampling(0, 0, 1.0, 1.5)):
+        seen = cp.zeros((ns, V), np.int32)
+        for r, h in enumerate(hist):
+            seen[r, cp.asarray(np.array(h))] = 1
+        state, tokens = cp.zeros(2 + ns, np.int32), cp.zeros(steps * ns, np.int32)
+        ref = []
+        for t in range(steps):
+            lg = _d(logits[t])
+            sample_tokens(lg, seen, _d(uni).astype(np.float32), state, tokens, sampling)
+            _k("advance")((1,), (1,), (state, I32(1), I32(1)))
+            for r in range(ns):
+                u = iter([float(np.float32(uni[t * ns + r]))])
+                tk = sampling.sample(logits[t, r], hist[r], type("U", (), {"random": lambda self: next(u)})())
+                hist[r].append(tk)
+                ref.append(tk)
+        bad += int((cp.asnumpy(tokens) != np.array(ref)).sum())
+    R.append(("device sampler == pipeline.Sampling (5 rules, ids differing)", float(bad), 0.0))
+    lg = randn(3, 2 * V)
+    am = cp.zeros(6, np.int32)
+    argmax_heads(_d(lg), V, am)
+    R.append(("argmax_heads (ids differing)", float((cp.asnumpy(am) != lg.reshape(6, V).argmax(1)).sum()), 0.0))
     return R
 
 
@@ -3061,9 +3855,12 @@ def cmd_gradcheck(argv):
     p.add_argument("--seed", type=int, default=0, help="weights and batch (default 0)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (TF32 off; the reference, tolerance 1e-5) or bf16 (mixed precision, 2e-2); default fp32")
+    p.add_argument("--dpo", action="store_true", help="the DPO loss's gradient instead (tiny and small configs)")
     a = p.parse_args(argv)
     gpu()
     set_tf32(False)
+    if a.dpo:
+        return gradcheck_dpo(a.precision, a.seed)
     rng = np.random.default_rng(a.seed)
     rows, tol = [], GRADCHECK_TOL[a.precision]
     for tag, cfg, B, T, attn in (GRADCHECK_BF16 if a.precision == "bf16" else GRADCHECK):
@@ -3087,11 +3884,16 @@ def cmd_gradcheck(argv):
             rows.append((f"{tag} {name}", rel_err(G[name], G_r[name]), tol))
     what = "float32 (TF32 off)" if a.precision == "fp32" else \
         "bf16 mixed precision (matrices of std 0.05, bf16 numbers)"
-    print(f"gradient check: GPU {what} vs nanoeuler.loss_and_grads float64 on the same weights; "
-          "error = max|g - g_ref| / max|g_ref| per tensor")
+    return gradcheck_verdict(rows, "gradient check", f"GPU {what} vs nanoeuler.loss_and_grads float64 on the same "
+                             "weights", a.precision)
+
+
+def gradcheck_verdict(rows, name, what, precision):
+    """Prints the table of (tensor, error, tolerance) and the verdict line; -> the exit code."""
+    print(f"{name}: {what}; error = max|g - g_ref| / max|g_ref| per tensor")
     ok = print_table(rows, ("tensor", "max rel err", "tol", ""))
     worst = max(rows, key=lambda r: r[1])
-    print(f"gradient check: {'PASS' if ok else 'FAIL'} ({a.precision}; worst {worst[1]:.2e}: {worst[0]})")
+    print(f"{name}: {'PASS' if ok else 'FAIL'} ({precision}; worst {worst[1]:.2e}: {worst[0]})")
     return 0 if ok else 1
 
 
@@ -3243,6 +4045,9 @@ def cmd_bench(argv):
     p.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     p.add_argument("--no-naive", dest="naive", action="store_false", help="skip the naive-attention runs")
     p.add_argument("--json", help="also write the results to this file (default: none)")
+    p.add_argument("--ckpt", help="weights for the generation benchmark (default random weights of the config, "
+                   "with which the MTP heads' drafts are right by chance only)")
+    p.add_argument("--only", choices=["train", "generation"], help="run one part (default both)")
     import distributed
     p.add_argument("--gpus", type=int, metavar="N", help="the training step on one GPU and on N (data parallel, "
                    "ZeRO-1; B per GPU): tokens/s of each, the speed-up, MFU and memory per GPU (default: one GPU, "
@@ -3270,6 +4075,8 @@ def cmd_bench(argv):
     if group is not None:                           # one rank of bench --gpus N
         group.run(lambda: bench_scaling(a, cfg, batches, T, precisions if a.precision else precisions[:1], group))
     gpu()
+    if a.only == "generation":
+        return print_bench_generation(a, cfg)
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, flash attention; "
           f"{a.steps} steps back to back after 3 warm-up steps; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16 "
@@ -3303,11 +4110,30 @@ def cmd_bench(argv):
         print(f"{words[k]:<34}{f:8.3f}{fb:9.3f}")
     print(f"flash bf16 vs flash fp32: {att['flash-fp32'][1] / att['flash-bf16'][1]:.1f}x, vs naive: "
           f"{att['naive'][1] / att['flash-bf16'][1]:.1f}x (fwd+bwd)")
+    gen = print_bench_generation(a, cfg) if a.only != "train" else None
     if a.json:
         import json
         with open(a.json, "w") as f:
-            json.dump(dict(device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att), f,
-                      indent=1)
+            json.dump(dict(device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att,
+                           generation=gen), f, indent=1)
+
+
+def print_bench_generation(a, cfg):
+    """bench's generation part: big's targets are stated for 200 tokens after a 16-token prompt."""
+    if a.ckpt:
+        P, tok, _, _ = pl.load_checkpoint(a.ckpt)
+        prompt, what = tok.encode(pl.default_corpus()[0][20_000:21_000])[:16], f"checkpoint {a.ckpt}"
+    else:
+        P = pl.Params.init(cfg, seed=0)
+        prompt, what = list(range(1, 17)), "random weights"
+    set_tf32(False)
+    g = bench_generation(P, prompt)
+    print(f"\ngeneration, {P.cfg.n_layers}-layer {what}, greedy, {g['tokens']} tokens after a 16-token prompt (best of 3):")
+    print(f"  plain (CUDA graphs, ids drawn on the device)  {g['plain']:10,.0f} tokens/s")
+    print(f"  speculative (MTP heads draft, head 0 checks)  {g['speculative']:10,.0f} tokens/s  ({g['speedup']:.2f}x; "
+          f"{g['accepted']:.0%} of drafts accepted; the same ids)")
+    print(f"  {g['streams']} streams in one batch                  {g['batch']:10,.0f} tokens/s in all")
+    return g
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3315,8 +4141,9 @@ def cmd_bench(argv):
 
 MODES = {"selftest": cmd_selftest, "gradcheck": cmd_gradcheck, "train": lambda a: cmd_train(a, False),
          "resume": lambda a: cmd_train(a, True), "sample": cmd_infer, "sft": cmd_sft, "chat": cmd_chat,
-         "bench": cmd_bench}
-LETTERS = {"": "selftest", "g": "gradcheck", "t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat"}
+         "serve": cmd_serve, "dpo": cmd_dpo, "eval": cmd_eval, "plot": cmd_plot, "bench": cmd_bench}
+LETTERS = {"": "selftest", "g": "gradcheck", "t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat",
+           "d": "dpo"}
 
 
 def main(argv=None):

@@ -509,9 +509,13 @@ class Sampling:
             p /= p.sum()
         return p
 
+    def greedy(self, logits, history=()):
+        """The first argmax of the penalised logits."""
+        return int(np.argmax(self._penalised(logits, history)))
+
     def sample(self, logits, history, rng):
         if self.temperature <= 0:                        # greedy draws no random number
-            return int(np.argmax(self._penalised(logits, history)))
+            return self.greedy(logits, history)
         return draw(self.probs(logits, history), rng)
 
 
@@ -521,9 +525,82 @@ def draw(p, rng):
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
+def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, n_mtp, ctx):
+    """Speculative sampling with the model's own MTP heads as the draft model, over an engine's KV cache:
+    forward(ids) runs ids at the cache's next positions (the whole prompt first) and returns every head's
+    logits at each, (len, n_mtp, V) (the prompt: at least its last row), or, greedy without a repetition
+    penalty, may return their argmaxes, (len, n_mtp) ids: all that rule needs. cut(n) keeps the cache's
+    first n positions. Yields up to max_new ids (stops at the context).
+    State: a token z that is decided but not yet cached, and every head's logits at the position before
+    it (head k there predicted position pos(z) + k). Each round drafts d_k from head k, runs one forward
+    over [z, d_1..d_m] and lets head 0 judge the drafts in order: d_i is kept with probability
+    min(1, p(d_i) / q(d_i)), else replaced by a draw from max(0, p - q) normalised, which ends the round
+    and becomes the next z (the cache is cut back to the kept tokens). When every draft is kept, head 0
+    at the last position draws the next z. Greedy: p and q are one-hot, so a draft is kept exactly when
+    it is head 0's argmax. stats (a dict) gets 'drafted' and 'accepted'."""
+    greedy = sampling.temperature <= 0
+
+    def first(row, history):                    # head 0's id: greedy from logits or an argmax, else drawn
+        if not greedy:
+            return sampling.sample(row, history, rng)
+        return int(row) if np.ndim(row) == 0 else sampling.greedy(row, history)
+    ids = list(prompt_ids)
+    heads = forward(ids)[-1]                                               # (n_mtp, ...) at the last position
+    cached = len(ids)
+    z = first(heads[0], ids)
+    ids.append(z)
+    produced = 1
+    yield z
+    while produced < max_new and len(ids) < ctx:
+        m = min(n_mtp - 1, max_new - produced, ctx - len(ids))             # z's forward must fit the context
+        drafts, qs = [], []
+        for k in range(1, m + 1):
+            if greedy:
+                drafts.append(first(heads[k], ids + drafts))
+            else:
+                qs.append(sampling.probs(heads[k], ids + drafts))
+                drafts.append(draw(qs[-1], rng))
+        out = forward([z] + drafts)                                        # (1 + m, n_mtp, ...)
+        n_ok = 0
+        for i, d in enumerate(drafts):
+            if greedy:
+                z = first(out[n_ok, 0], ids)
+                kept = d == z
+            else:
+                p, q = sampling.probs(out[n_ok, 0], ids), qs[i]
+                kept = rng.random() < p[d] / q[d]
+                residual = np.maximum(p - q, 0.0)
+                z = d if kept else draw(residual if residual.sum() > 0 else p, rng)
+            n_ok += kept
+            ids.append(z)
+            produced += 1
+            yield z
+            if not kept or produced >= max_new:
+                break
+        if stats is not None:
+            stats["drafted"] = stats.get("drafted", 0) + len(drafts)
+            stats["accepted"] = stats.get("accepted", 0) + n_ok
+        cached += 1 + n_ok                                                 # z and the kept drafts
+        cut(cached)
+        heads = out[n_ok]                                                  # at the last cached position
+        if n_ok == len(drafts) and produced < max_new and len(ids) < ctx:  # every draft kept: head 0 goes on
+            z = first(heads[0], ids)
+            ids.append(z)
+            produced += 1
+            yield z
+
+
 def sample_token(logits, temperature, top_k, rng):
     """One id from a (V,) row of logits with temperature and top-k alone."""
     return Sampling(temperature, top_k).sample(logits, (), rng)
+
+
+def speed_line(n, seconds, speculative, stats, streams=1):
+    """The last line of sample: tokens/s, and how many drafts head 0 accepted."""
+    line = f"[{n} tokens" + (f" in {streams} streams" if streams > 1 else "") + f", {n / max(seconds, 1e-9):,.0f} tokens/s"
+    if speculative and stats.get("drafted"):
+        line += f", speculative: {stats['accepted'] / stats['drafted']:.0%} of {stats['drafted']} drafts accepted"
+    return line + ("" if speculative or streams > 1 else ", speculative off") + "]"
 
 
 def fit_prompt(ids, ctx, room):
@@ -836,13 +913,15 @@ def pair_logps(batches, seq_logps):
     return np.concatenate(out)
 
 
-def dpo_loss(logp, ref, beta):
+def dpo_loss(logp, ref, beta, xp=np):
     """logp, ref (2B,) float64 log-probs of the policy and the reference, chosen answers first. -> (the mean
-    over pairs of -log sigmoid(z), z = beta ((logp_c - ref_c) - (logp_r - ref_r)); d loss / d logp (2B,))."""
+    over pairs of -log sigmoid(z), z = beta ((logp_c - ref_c) - (logp_r - ref_r)); d loss / d logp (2B,)).
+    xp: numpy, or cupy for device arrays (the loss then stays a device scalar: no sync)."""
     B = len(logp) // 2
     z = beta * ((logp[:B] - ref[:B]) - (logp[B:] - ref[B:]))
-    s = beta * np.exp(-np.logaddexp(0.0, z)) / B     # beta sigmoid(-z) / B, without overflow
-    return float(np.logaddexp(0.0, -z).mean()), np.concatenate([-s, s])
+    s = beta * xp.exp(-xp.logaddexp(0.0, z)) / B     # beta sigmoid(-z) / B, without overflow
+    loss = xp.logaddexp(0.0, -z).mean()
+    return float(loss) if xp is np else loss, xp.concatenate([-s, s])
 
 
 def dpo_metrics(logp, ref, beta):

@@ -25,6 +25,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import bpe
 import gradcheck
+from conftest import needs_gpu, run_engine
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
@@ -439,7 +440,8 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # user mistakes, names and help (one line each, and the same words in both engines)
 
-PRODUCT = ("nanoeuler.py", "nanoeuler_cuda.py", "pipeline.py", "bpe.py", "gradcheck.py")
+PRODUCT = ("nanoeuler.py", "nanoeuler_cuda.py", "pipeline.py", "bpe.py", "gradcheck.py", "evaluate.py", "export.py",
+           "serve.py", "distributed.py")
 
 
 @pytest.fixture(scope="module")
@@ -706,22 +708,8 @@ def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
 # check needs libnvrtc, e.g. the nvidia-cuda-nvrtc-cu12 wheel, and skips without it); tests marked gpu skip
 # without CuPy and a device.
 
-def _have_gpu():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-HAVE_GPU = _have_gpu()
-needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and an NVIDIA GPU")
-
-
 def run_gpu(*args, timeout=900, env=None):
-    e = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler_cuda.py"), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=e)
+    return run_engine("nanoeuler_cuda.py", *args, timeout=timeout, env=env)
 
 
 def one_error_line(r):
@@ -838,11 +826,65 @@ def test_checkpoints_cross_engines(tmp_path):
     ids = tok.encode("It was the best of times")
     sampler = nc.Sampler(P)
     cache = ne.KVCache(P.cfg)
-    ref = ne.forward_cached(P, ids[:-1], cache)[-1]
-    got = sampler.forward(ids[:-1])
+    ref = ne.forward_cached(P, ids[:-1], cache, all_heads=True)[-1]
+    got = sampler.forward(ids[:-1])[-1]                                   # the prefill (flash attention)
     assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
-    ref, got = ne.forward_cached(P, ids[-1:], cache)[-1], sampler.forward(ids[-1:])   # one decode step
+    ref, got = ne.forward_cached(P, ids[-1:], cache, all_heads=True), sampler.forward(ids[-1:])   # a decode step
     assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+
+
+def _peaky(name, seed=3):
+    """Random weights whose logits spread widely (no near-ties for float rounding to flip)."""
+    return nc.gradcheck_params(pl.CONFIGS[name], np.random.default_rng(seed), scale=0.3)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_gpu_generation_matches_cpu_engine(name):
+    """The device sampler draws what the CPU engine draws: the same rules and, with the same seed, the same
+    random numbers in the same order, so plain and speculative decoding, greedy and sampled, one stream and
+    a batch, give the CPU engine's ids. Speculative greedy ids equal plain greedy ids; Python launches
+    equal graph replays. (small prefills with the flash kernel; tiny's head dim 8 with the cache kernel.)"""
+    P = _peaky(name)
+    prompt = list(range(5, 21))
+    n = 60 if name == "small" else 40
+    gpu, eager = nc.Sampler(P, streams=4), nc.Sampler(P, streams=4, graphs=False)
+    rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3)]
+    for sampling in rules:
+        for spec in (False, True):
+            rng = lambda: np.random.default_rng(7)
+            ref = list(ne.generate(P, prompt, n, sampling=sampling, rng=rng(), speculative=spec))
+            stats = {}
+            got = list(gpu.generate(prompt, n, sampling, rng(), speculative=spec, stats=stats))
+            assert got == ref, (sampling, spec)
+            assert got == list(eager.generate(prompt, n, sampling, rng(), speculative=spec))
+            if spec:
+                assert stats["drafted"] > 0
+        ref = ne.generate_batch(P, prompt, 3, n, sampling, np.random.default_rng(5))
+        assert gpu.generate_batch(prompt, 3, n, sampling, np.random.default_rng(5)) == ref
+    greedy = pl.Sampling(0)
+    assert list(gpu.generate(prompt, n, greedy, speculative=True)) == list(gpu.generate(prompt, n, greedy))
+    ctx = P.cfg.ctx                                                       # generation stops at the context
+    assert len(list(gpu.generate(list(range(1, ctx - 5)), 50, greedy, speculative=True))) == 6
+    assert len(list(gpu.generate(list(range(1, ctx - 5)), 50, greedy))) == 6
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_sample_modes(tmp_path):
+    """--samples N prints N continuations and the aggregate speed; speculative and plain greedy print the
+    same text; chat runs on the same sampler."""
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", tmp_path).returncode == 0
+    r = run_gpu("sample", "It was", "--ckpt", tmp_path, "--samples", 3, "--tokens", 20)
+    assert r.returncode == 0 and r.stdout.count("--- sample") == 3 and "in 3 streams" in r.stderr, r.stdout + r.stderr
+    outs = [run_gpu("i", "It was", "--ckpt", tmp_path, "--temperature", 0, flag) for flag in ("--speculative",
+                                                                                              "--no-speculative")]
+    assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout
+    assert "drafts accepted" in outs[0].stderr and "speculative off" in outs[1].stderr
+    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler_cuda.py"), "chat", "--ckpt", str(tmp_path),
+                        "--tokens", "10"], cwd=ROOT, input="hello\nagain\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("hello") >= 1, r.stdout + r.stderr
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ import pytest
 
 import bpe
 import gradcheck
+from conftest import needs_gpu, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -338,3 +339,46 @@ def test_get_prefs_bad_source_is_one_error_line(tmp_path, source, content):
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
     assert not out.exists() and not list(out.parent.glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU engine's dpo mode (nanoeuler_cuda.py): its gradient against the CPU engine's, the same run on both
+# engines; tests marked gpu skip without CuPy and a device
+
+
+
+def test_gpu_dpo_mode_without_cupy_is_one_error_line(tmp_path):
+    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
+    for args, words in ((["d"], "CuPy"), (["dpo", "--steps", "0"], "--steps 0"), (["gradcheck", "--dpo"], "CuPy")):
+        r = run_engine("nanoeuler_cuda.py", *args, env={"PYTHONPATH": str(tmp_path)})
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], r.stderr
+    r = run_engine("nanoeuler_cuda.py", "d", "--help")
+    assert r.returncode == 0 and "--beta" in r.stdout and "--precision" in r.stdout
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_dpo_gradient_matches_the_cpu_engine():
+    r = run_engine("nanoeuler_cuda.py", "gradcheck", "--dpo")
+    assert r.returncode == 0 and "DPO gradient check: PASS" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_dpo_run_follows_the_cpu_run(ckpts, tmp_path):
+    """The same run on both engines (fp32): the same log to float32 rounding, and a chat checkpoint."""
+    args = ("--ckpt", ckpts / "chat.npz", "--data", ckpts / "prefs.jsonl", "--steps", 4, "--batch", 2, "--lr", 1e-3)
+    r = run_engine("nanoeuler.py", "dpo", *args, "--out", tmp_path / "cpu")
+    assert r.returncode == 0, r.stderr
+    r = run_engine("nanoeuler_cuda.py", "d", *args, "--out", tmp_path / "gpu", "--precision", "fp32", "--attn", "naive")
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    assert "held-out: preference accuracy 50.0% | reward margin +0.0000" in r.stdout
+    assert "DPO held-out preference accuracy: before 50.0% -> after" in r.stdout
+    assert pl.load_checkpoint(str(tmp_path / "gpu"))[3] == {"kind": "chat", "stage": "dpo"}
+    cpu, gpu = ([json.loads(l) for l in (tmp_path / k / "train_log.jsonl").read_text().splitlines()] for k in ("cpu", "gpu"))
+    assert len(cpu) == len(gpu) == 5 and gpu[1]["loss"] == pytest.approx(np.log(2), abs=1e-4)
+    for c, g in zip(cpu, gpu):
+        assert c.keys() == g.keys()
+        for k in set(c) - {"ms", "tok_s"}:
+            assert g[k] == pytest.approx(c[k], rel=1e-3, abs=1e-4), (c["step"], k)

@@ -12,6 +12,7 @@ import pytest
 
 import bpe
 import evaluate
+from conftest import needs_gpu, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -163,3 +164,50 @@ def test_get_hellaswag_fixture_idempotent_and_bad_source(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and not o.exists(), r.stderr
         assert not list(tmp_path.glob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU engine's eval and plot modes (nanoeuler_cuda.py); tests marked gpu skip without CuPy and a device
+
+
+
+def test_gpu_engine_eval_without_cupy_and_plot_without_a_gpu(tmp_path):
+    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    for args, words in ((["eval"], "CuPy"), (["eval", "--limit", "0"], "--limit"), (["eval", "--task", "bpb"], "--data"),
+                        (["plot", tmp_path / "no_run"], "run folder not found")):
+        r = run_engine("nanoeuler_cuda.py", *args, env=env)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], r.stderr
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s, "ms": 10, "tok_s": 100}) + "\n"
+                                                 for s in (1, 2, 3)))
+    r = run_engine("nanoeuler_cuda.py", "plot", run, "--out", tmp_path / "p.png", env=env)
+    assert r.returncode == 0 and (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_eval_agrees_with_the_cpu_engine_item_for_item(model, tmp_path):
+    import nanoeuler_cuda as nc
+    P, tok = model
+    items = evaluate.load_hellaswag(str(FIX))
+    cpu = evaluate.hellaswag(tok, items, ne.cpu_logprobs(P), P.cfg.ctx)
+    gpu = nc.gpu_hellaswag(tok, items, P, "fp32", "naive")
+    assert gpu["preds"] == cpu["preds"] and (gpu["acc"], gpu["acc_norm"]) == (cpu["acc"], cpu["acc_norm"])
+    seqs = [s for item in items for s in evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)[0]]
+    want = ne.cpu_logprobs(P)(seqs)
+    got = nc.gpu_logprobs(P, 3, P.cfg.ctx, "fp32", "naive")(seqs)       # 3 rows a forward: the last one part-full
+    assert [len(g) for g in got] == [len(w) for w in want] == [len(s) - 1 for s in seqs]
+    assert max(float(np.abs(g - w).max()) for g, w in zip(got, want)) < 1e-4
+    # the modes on a checkpoint: the same last line as the CPU engine's, HellaSwag and bits per byte
+    ckpt, text = tmp_path / "ckpt.npz", tmp_path / "t.txt"
+    pl.save_checkpoint(str(ckpt), P, tok)
+    text.write_text("héllo wörld, the quick brown fox. " * 20, encoding="utf-8")
+    for args in (["--data", FIX], ["--task", "bpb", "--data", text]):
+        c = run_engine("nanoeuler.py", "eval", "--ckpt", ckpt, *args)
+        g = run_engine("nanoeuler_cuda.py", "eval", "--ckpt", ckpt, *args, "--precision", "fp32", "--attn", "naive")
+        assert c.returncode == g.returncode == 0, g.stderr
+        assert g.stdout.splitlines()[-1] == c.stdout.splitlines()[-1]
