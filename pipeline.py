@@ -1334,16 +1334,18 @@ def sampling_of(a):
     return Sampling(a.temperature, a.top_k, getattr(a, "top_p", 1.0), getattr(a, "repetition_penalty", 1.0))
 
 
-def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False):
-    """The flags of sample and chat; generation=True adds top-p, the repetition penalty and speculative
-    decoding (on by default where the engine found it faster), for an engine that has them."""
+def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None):
+    """The flags of sample, chat and serve; generation=True adds top-p, the repetition penalty and speculative
+    decoding (on by default where the engine found it faster), for an engine that has them. tokens_help and
+    seed_help: what --tokens and --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
-    p.add_argument("--tokens", type=int, default=200, help="most tokens to generate (default 200; generation stops "
-                   "when the context is full; a longer prompt keeps its last tokens, with a notice)")
+    p.add_argument("--tokens", type=int, default=200, help=tokens_help or "most tokens to generate (default 200; "
+                   "generation stops when the context is full; a longer prompt keeps its last tokens, with a notice)")
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature})")
     p.add_argument("--top-k", dest="top_k", type=int, default=40, help="sample from the k likeliest (0: all; default 40)")
-    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same text (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help=seed_help or "random seed: the same seed gives the same text (default 0)")
     if not generation:
         return
     p.add_argument("--top-p", dest="top_p", type=float, default=1.0,

@@ -528,12 +528,9 @@ DESCRIPTION = ("serve a checkpoint over an OpenAI-compatible API (/v1/chat/compl
 
 def add_serve_flags(p, ckpt, generation, speculative=False):
     """The serve mode's flags (both engines): the sampling flags of sample and chat, then where to listen."""
-    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, generation=generation, speculative=speculative)
-    for action in p._actions:                    # two flags of sample mean something else to a server
-        if action.dest == "tokens":
-            action.help = "max_tokens of a request that gives none (default 200; at most the context - 1)"
-        elif action.dest == "seed":
-            action.help = "seeds the generator of the seeds of requests that give none (default 0)"
+    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, generation=generation, speculative=speculative,
+                        tokens_help="max_tokens of a request that gives none (default 200; at most the context - 1)",
+                        seed_help="seeds the generator of the seeds of requests that give none (default 0)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
                         "anyone who can reach the machine)")
