@@ -1747,24 +1747,26 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
     }
 }
 // One block (256 threads) per (row, query head, stream) over keys 0 .. pos + t: a thread per key for the
-// scores (16-byte loads of the key), then 256 / hd groups of hd threads, group g summing the values of
-// keys g, g + groups, ..; the groups' partial sums are added in a fixed order. hd divides 256.
-extern "C" __global__ void __launch_bounds__(256) attn_cached(
+// scores (16-byte loads of the key, all in flight: HD is a compile-time constant), then 256 / HD groups of
+// HD threads, group g summing the values of keys g, g + groups, ..; the groups' partial sums are added in
+// a fixed order.
+template <int HD> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
-        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int hd, int ctx,
-        float scale) {
+        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale) {
     extern __shared__ __align__(16) float sc[];          // [ctx] scores, then probabilities; [256] partials
+    constexpr int groups = 256 / HD;
     int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, j = h / (Hq / Hkv), nk = state[0] + t + 1;
     i64 n = (i64)b * rows + t;
-    int Cq = Hq * hd, S = Cq + 2 * Hkv * hd, hd4 = hd / 4;
-    const float4* q = reinterpret_cast<const float4*>(qkv + n * S + h * hd);
-    const float* K = kc + ((i64)b * Hkv + j) * ctx * hd;
-    const float* Vv = vc + ((i64)b * Hkv + j) * ctx * hd;
+    int Cq = Hq * HD, S = Cq + 2 * Hkv * HD;
+    const float4* q = reinterpret_cast<const float4*>(qkv + n * S + h * HD);
+    const float* K = kc + ((i64)b * Hkv + j) * ctx * HD;
+    const float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD;
     float m = NEG_INF;
     for (int k = threadIdx.x; k < nk; k += blockDim.x) {
-        const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * hd);
+        const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * HD);
         float s = 0.f;
-        for (int d = 0; d < hd4; d++) {
+#pragma unroll
+        for (int d = 0; d < HD / 4; d++) {
             float4 a = __ldg(q + d), c = __ldg(kr + d);
             s += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
         }
@@ -1775,23 +1777,25 @@ extern "C" __global__ void __launch_bounds__(256) attn_cached(
     float z = 0.f;
     for (int k = threadIdx.x; k < nk; k += blockDim.x) { float e = expf(sc[k] - m); sc[k] = e; z += e; }
     z = block_sum(z);                                     // its barrier also publishes sc[]
-    int groups = blockDim.x / hd, g = threadIdx.x / hd, d = threadIdx.x % hd;
+    int g = threadIdx.x / HD, d = threadIdx.x % HD;
     float acc = 0.f;
 #pragma unroll 8
-    for (int k = g; k < nk; k += groups) acc += sc[k] * __ldg(Vv + (i64)k * hd + d);
+    for (int k = g; k < nk; k += groups) acc += sc[k] * __ldg(Vv + (i64)k * HD + d);
     float* part = sc + ctx;
     part[threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.x < hd) {
+    if (threadIdx.x < HD) {
         float o = 0.f;
-        for (int i = 0; i < groups; i++) o += part[i * hd + d];
-        out[n * Cq + h * hd + d] = o / z;
+#pragma unroll
+        for (int i = 0; i < groups; i++) o += part[i * HD + d];
+        out[n * Cq + h * HD + d] = o / z;
     }
 }
-// out (R, N) = x (R, K) @ W (N, K)^T for the few rows of a decode step. A block of 8 warps takes 2 columns,
-// 4 warps each splitting K (16-byte loads, K % 4 == 0), for up to 8 rows of x at a time; the 4 partial sums
-// are added in a fixed order, so each row's result is the same for any R. GLU: x is [g | u] (R, 2K) and
-// the product takes silu(g) * u, SwiGLU's output, made on the fly.
+// out (R, N) = x (R, K) @ W (N, K)^T for the few rows of a decode step. A block of 8 warps takes 8 / PARTS
+// columns, PARTS warps each splitting K (16-byte loads, K % 4 == 0), for up to 8 rows of x at a time; the
+// PARTS partial sums are added in a fixed order. PARTS depends on W's shape alone (matvec()), so each row's
+// result is the same for any R. GLU: x is [g | u] (R, 2K) and the product takes silu(g) * u, SwiGLU's
+// output, made on the fly.
 template <bool GLU> __device__ __forceinline__ float4 x_at(const float* __restrict__ x, int r, int k, int K) {
     if (!GLU) return __ldg(reinterpret_cast<const float4*>(x + (i64)r * K) + k);
     float4 g = __ldg(reinterpret_cast<const float4*>(x + (i64)r * 2 * K) + k);
@@ -1799,17 +1803,18 @@ template <bool GLU> __device__ __forceinline__ float4 x_at(const float* __restri
     return make_float4(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y,
                        g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
 }
-template <bool GLU> __device__ void matvec_rows(float* __restrict__ out, const float* __restrict__ x,
-                                                const float* __restrict__ W, int R, int K, int N) {
+template <bool GLU, int PARTS> __device__ void matvec_rows(float* __restrict__ out, const float* __restrict__ x,
+                                                           const float* __restrict__ W, int R, int K, int N) {
+    constexpr int CB = 8 / PARTS;                          // columns per block
     __shared__ float red[8][8];                           // [warp][row of the group]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp & 3;
-    int col = blockIdx.x * 2 + (warp >> 2), K4 = K >> 2;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % PARTS;
+    int col = blockIdx.x * CB + warp / PARTS, K4 = K >> 2;
     const float4* w4 = reinterpret_cast<const float4*>(W + (i64)min(col, N - 1) * K);
     for (int r0 = 0; r0 < R; r0 += 8) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         if (col < N) {
 #pragma unroll 4
-            for (int k = part * 32 + lane; k < K4; k += 128) {
+            for (int k = part * 32 + lane; k < K4; k += 32 * PARTS) {
                 float4 wv = __ldg(w4 + k);
 #pragma unroll
                 for (int r = 0; r < 8; r++) {
@@ -1822,25 +1827,25 @@ template <bool GLU> __device__ void matvec_rows(float* __restrict__ out, const f
         }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            float s = warp_sum(acc[r]);
-            if (lane == 0) red[warp][r] = s;
+            if (r0 + r < R) {                             // the same for the whole block
+                float sum = warp_sum(acc[r]);
+                if (PARTS == 1 && lane == 0 && col < N) out[(i64)(r0 + r) * N + col] = sum;
+                if (PARTS > 1 && lane == 0) red[warp][r] = sum;
+            }
         }
-        __syncthreads();
-        if (threadIdx.x < 16) {
-            int c = threadIdx.x >> 3, r = threadIdx.x & 7, cc = blockIdx.x * 2 + c;
-            if (cc < N && r0 + r < R)
-                out[(i64)(r0 + r) * N + cc] = (red[4 * c][r] + red[4 * c + 1][r]) + (red[4 * c + 2][r] + red[4 * c + 3][r]);
+        if (PARTS > 1) {
+            __syncthreads();
+            if (threadIdx.x < 8 * CB) {
+                int c = threadIdx.x >> 3, r = threadIdx.x & 7, cc = blockIdx.x * CB + c;
+                if (cc < N && r0 + r < R) {
+                    float sum = red[c * PARTS][r];
+                    for (int q = 1; q < PARTS; q++) sum += red[c * PARTS + q][r];
+                    out[(i64)(r0 + r) * N + cc] = sum;
+                }
+            }
+            __syncthreads();
         }
-        __syncthreads();
     }
-}
-extern "C" __global__ void __launch_bounds__(256) matvec(float* __restrict__ out, const float* __restrict__ x,
-                                                         const float* __restrict__ W, int R, int K, int N) {
-    matvec_rows<false>(out, x, W, R, K, N);
-}
-extern "C" __global__ void __launch_bounds__(256) matvec_glu(float* __restrict__ out, const float* __restrict__ x,
-                                                             const float* __restrict__ W, int R, int K, int N) {
-    matvec_rows<true>(out, x, W, R, K, N);
 }
 // (value, id) pairs: the larger value first, the smaller id on a tie (numpy's first argmax)
 __device__ __forceinline__ bool before(float a, int ai, float b, int bi) { return a > b || (a == b && ai < bi); }
@@ -1981,6 +1986,15 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
     state[1] += dstep;
 }
 """
+ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
+INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per K split
+    [f'extern "C" __global__ void __launch_bounds__(256) attn_cached_{hd}(const float* __restrict__ qkv, const float* '
+     f'__restrict__ kc, const float* __restrict__ vc, float* __restrict__ out, const int* __restrict__ state, int rows, '
+     f'int Hq, int Hkv, int ctx, float scale) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, ctx, '
+     f'scale); }}\n' for hd in ATTN_CACHED_HD] +
+    [f'extern "C" __global__ void __launch_bounds__(256) matvec{"_glu" * glu}_p{parts}(float* __restrict__ out, const '
+     f'float* __restrict__ x, const float* __restrict__ W, int R, int K, int N) {{ matvec_rows<{"true" if glu else "false"}'
+     f', {parts}>(out, x, W, R, K, N); }}\n' for parts in (1, 2, 4, 8) for glu in (False, True)])
 
 
 def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
@@ -1991,9 +2005,9 @@ def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
 
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
     R, ctx = qkv.shape[0], kc.shape[2]
-    assert 256 % hd == 0 and hd % 4 == 0 and R % rows == 0
-    _k("attn_cached")((rows, Hq, R // rows), (256,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(hd),
-                                                      I32(ctx), F32(1.0 / math.sqrt(hd))), shared_mem=(ctx + 256) * 4)
+    assert hd in ATTN_CACHED_HD and R % rows == 0, (hd, R, rows)
+    _k(f"attn_cached_{hd}")((rows, Hq, R // rows), (256,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv),
+                                                            I32(ctx), F32(1.0 / math.sqrt(hd))), shared_mem=(ctx + 256) * 4)
 
 
 MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a batch of streams) cuBLAS
@@ -2029,13 +2043,23 @@ def sgemm_nt(C, A, W):
         raise RuntimeError(f"cublasSgemm_v2 failed with status {err}")
 
 
+def matvec_parts(N, K):
+    """Warps splitting each column's K: the fewest that give ~2,048 warps (16 per SM of an H200), while each
+    lane still loads a 16-byte piece. A function of W's shape alone: the sum order never depends on R."""
+    parts = 1
+    while parts < 8 and N * parts < 2048 and K // 4 >= 64 * parts:
+        parts *= 2
+    return parts
+
+
 def matvec(out, x, W, glu=False):
     """out (R, N) = x (R, K) @ W (N, K).T, row by row (see INFER_SRC); glu: x is [g | u] (R, 2K), the product
     takes silu(g) * u."""
     R, N, K = x.shape[0], W.shape[0], W.shape[1]
     assert out.shape == (R, N) and x.shape[1] == (2 * K if glu else K) and K % 4 == 0
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
-    _k("matvec_glu" if glu else "matvec")(((N + 1) // 2,), (256,), (out, x, W, I32(R), I32(K), I32(N)))
+    parts = matvec_parts(N, K)
+    _k(f"matvec{'_glu' if glu else ''}_p{parts}")((-(-N * parts // 8),), (256,), (out, x, W, I32(R), I32(K), I32(N)))
 
 
 def sample_tokens(logits, seen, uni, state, tokens, sampling):
@@ -2841,6 +2865,9 @@ class Sampler:
             dp.upload(P)
             P = dp
         cfg = self.cfg = P.cfg
+        if cfg.head_dim not in ATTN_CACHED_HD:
+            raise UserError(f"GPU generation takes head dims {', '.join(map(str, ATTN_CACHED_HD))}; this model's is "
+                            f"{cfg.head_dim}: generate with nanoeuler.py")
         self.P, self.streams, self.graphs = P, streams, graphs
         ctx, D, F, L, V, K = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers, cfg.vocab, cfg.n_mtp
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -3596,14 +3623,16 @@ def selftest_generation(rng, randn, tol):
     out_r = np.stack([ne.attention_forward(rot(q[:, :Cq], Hq), rot(q[:, Cq:Cq + Ck], Hkv),
                                            q[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq) for q in qkv])
     R.append(("RoPE + KV-cache attention, 3 streams (prefill + 3-row step)", rel_err(out, out_r), tol))
-    x, W, gu = randn(11, 200), randn(70, 200), randn(11, 400)
-    o11, o1, og = _nan(11, 70), _nan(1, 70), _nan(11, 70)
-    matvec(o11, _d(x), _d(W))
-    matvec(o1, _d(x[5:6]), _d(W))
-    matvec(og, _d(gu), _d(W), glu=True)
-    R.append(("matvec 11 rows", rel_err(o11, x @ W.T), tol))
-    R.append(("matvec: row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
-    R.append(("matvec with SwiGLU on its input", rel_err(og, ne.swiglu_forward(gu) @ W.T), tol))
+    for K in (200, 2048):                                # one warp per column; 8 warps splitting K
+        x, W, gu = randn(11, K), randn(70, K), randn(11, 2 * K)
+        o11, o1, og = _nan(11, 70), _nan(1, 70), _nan(11, 70)
+        matvec(o11, _d(x), _d(W))
+        matvec(o1, _d(x[5:6]), _d(W))
+        matvec(og, _d(gu), _d(W), glu=True)
+        tag = f"matvec K={K} ({matvec_parts(70, K)} warps a column)"
+        R.append((f"{tag}, 11 rows", rel_err(o11, x @ W.T), tol))
+        R.append((f"{tag}: row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
+        R.append((f"{tag} with SwiGLU on its input", rel_err(og, ne.swiglu_forward(gu) @ W.T), tol))
     V, ns, steps = 300, 4, 3
     logits = (randn(steps, ns, V) * 3).astype(np.float32)
     logits[..., 7] = logits[..., 9]                                     # a tie: the smaller id first

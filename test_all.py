@@ -736,7 +736,11 @@ def test_every_kernel_has_a_launcher_and_a_check():
     for mod, code in nc.SOURCES.items():
         for name in nc.kernel_names(code):
             m = re.fullmatch(r"(flash(?:_bf16)?)_(fwd|bwd|dq|dkdv)_\d+", name)   # launched as f"flash_..._{hd}"
-            assert f'"{name}"' in py or (m and f'_{m.group(1)}_kernel("{m.group(2)}"' in py), name
+            a = re.fullmatch(r"attn_cached_(\d+)", name)                          # f"attn_cached_{hd}"
+            v = re.fullmatch(r"matvec(?:_glu)?_p(\d+)", name)                     # f"matvec..._p{parts}"
+            assert (f'"{name}"' in py or (m and f'_{m.group(1)}_kernel("{m.group(2)}"' in py)
+                    or (a and 'f"attn_cached_{hd}"' in py and int(a.group(1)) in nc.ATTN_CACHED_HD)
+                    or (v and '_p{parts}"' in py and int(v.group(1)) in {nc.matvec_parts(n, 8192) for n in (1, 600, 1500, 5000)})), name
 
 
 def test_unknown_mode_and_flag_give_one_line():
