@@ -3101,7 +3101,8 @@ def bench_generation(P, prompt, n=200, streams=64, reps=3):
 def gpu_generate(sampler, a, stats=None):
     """generate_fn(ids, n, rng) for the pipeline's sample and chat loops, with a's sampling flags."""
     sampling = pl.sampling_of(a)
-    return lambda ids, n, rng: sampler.generate(ids, n, sampling, rng, speculative=a.speculative, stats=stats)
+    spec = pl.speculative_for(a.speculative, sampling)
+    return lambda ids, n, rng: sampler.generate(ids, n, sampling, rng, speculative=spec, stats=stats)
 
 
 def cmd_infer(argv):
@@ -3109,7 +3110,7 @@ def cmd_infer(argv):
     p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
     p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
     p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
-    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8, generation=True, speculative=True)
+    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8, generation=True, speculative=None)
     a = p.parse_args(argv)
     prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
     pl.check_sampling(a)
@@ -3124,7 +3125,7 @@ def cmd_infer(argv):
         return
     stats = {}
     n, dt = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
-    print(pl.speed_line(n, dt, a.speculative, stats), file=sys.stderr)
+    print(pl.speed_line(n, dt, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats), file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3148,7 +3149,7 @@ def cmd_sft(argv):
 def cmd_chat(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py chat", description="talk to a checkpoint (the conversation is kept within "
                   "the context; a chat checkpoint wraps each line in the SFT template)")
-    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7, generation=True, speculative=True)
+    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7, generation=True, speculative=None)
     a = p.parse_args(argv)
     pl.check_sampling(a)
     gpu()
@@ -3161,13 +3162,13 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", generation=True, speculative=True)
+    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", generation=True, speculative=None)
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     sampler = Sampler(P)                             # one worker thread generates: one KV cache is enough
     serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda ids, n, sampling, rng: sampler.generate(
-        ids, n, sampling=sampling, rng=rng, speculative=a.speculative), "GPU")
+        ids, n, sampling=sampling, rng=rng, speculative=pl.speculative_for(a.speculative, sampling)), "GPU")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1334,10 +1334,16 @@ def sampling_of(a):
     return Sampling(a.temperature, a.top_k, getattr(a, "top_p", 1.0), getattr(a, "repetition_penalty", 1.0))
 
 
+def speculative_for(flag, sampling):
+    """--speculative as given, or by default (None) on for greedy decoding alone: where the heads' drafts are
+    kept most often, and where it paid on the GPU."""
+    return flag if flag is not None else sampling.temperature <= 0
+
+
 def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None):
     """The flags of sample, chat and serve; generation=True adds top-p, the repetition penalty and speculative
-    decoding (on by default where the engine found it faster), for an engine that has them. tokens_help and
-    seed_help: what --tokens and --seed mean where they mean something else (serve)."""
+    decoding (speculative: its default, False, True, or None for speculative_for's rule), for an engine that
+    has them. tokens_help and seed_help: what --tokens and --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
     p.add_argument("--tokens", type=int, default=200, help=tokens_help or "most tokens to generate (default 200; "
                    "generation stops when the context is full; a longer prompt keeps its last tokens, with a notice)")
@@ -1352,9 +1358,12 @@ def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, 
                    help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
     p.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
                    help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
+    default = {True: "on", False: "off: slower on this engine so far",
+               None: "on when greedy, where it doubles the speed of a trained model; off when sampling, where fewer "
+                     "drafts are kept and it costs more than it saves"}[speculative]
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=speculative,
                    help="let the MTP heads draft tokens that head 0 verifies in one forward: the same text, distributed "
-                        f"exactly as without (default {'on' if speculative else 'off: slower on this engine so far'})")
+                        f"exactly as without (default {default})")
 
 
 def add_sft_flags(p, ckpt, out, batch, seq, lr):
