@@ -988,19 +988,13 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
 
 
 def add_dpo_flags(p, ckpt, out, steps, batch, lr):
-    p.add_argument("--ckpt", default=ckpt, help=f"the SFT (chat) checkpoint or its run folder, also the frozen "
-                                                f"reference (default {ckpt})")
-    p.add_argument("--data", help="JSONL, one {prompt, chosen, rejected[, input]} a line, as data/get_prefs.sh "
-                                  "writes (default: the built-in pairs, no download: each answer of the built-in "
-                                  "SFT set against itself fallen into a loop of its opening words; they teach not "
-                                  "to loop, nothing of helpfulness or safety)")
+    add_finetune_flags(p, f"the SFT (chat) checkpoint or its run folder, also the frozen reference (default {ckpt})",
+                       ckpt, out, steps, (batch, "pairs per step"), lr, "held-out split and data order",
+                       data="JSONL, one {prompt, chosen, rejected[, input]} a line, as data/get_prefs.sh writes "
+                            "(default: the built-in pairs, no download: each answer of the built-in SFT set against "
+                            "itself fallen into a loop of its opening words; they teach not to loop, nothing of "
+                            "helpfulness or safety)")
     p.add_argument("--beta", type=float, default=0.1, help="strength of the pull to the reference (default 0.1)")
-    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
-    p.add_argument("--batch", type=int, default=batch, help=f"pairs per step (default {batch})")
-    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-    p.add_argument("--seed", type=int, default=0, help="held-out split and data order (default 0)")
-    p.add_argument("--out", default=out, help=f"folder of the chat checkpoint (default {out})")
-    p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1366,13 +1360,20 @@ def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, 
                         f"exactly as without (default {default})")
 
 
-def add_sft_flags(p, ckpt, out, batch, seq, lr):
-    p.add_argument("--ckpt", default=ckpt, help=f"the base checkpoint or its run folder (default {ckpt})")
-    p.add_argument("--data", help="Alpaca JSON (default: the built-in instruction set, no download)")
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    p.add_argument("--batch", type=int, default=batch, help=f"examples per step (default {batch})")
-    p.add_argument("--seq", type=int, default=seq, help=f"longest example in tokens (default {seq})")
+def add_finetune_flags(p, ckpt_help, ckpt, out, steps, batch, lr, seed_help, data):
+    """The flags sft and dpo share: batch is (default, what one is)."""
+    p.add_argument("--ckpt", default=ckpt, help=ckpt_help)
+    p.add_argument("--data", help=data)
+    p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    p.add_argument("--batch", type=int, default=batch[0], help=f"{batch[1]} (default {batch[0]})")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-    p.add_argument("--seed", type=int, default=0, help="data order (default 0)")
+    p.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--out", default=out, help=f"folder of the chat checkpoint (default {out})")
     p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
+
+
+def add_sft_flags(p, ckpt, out, batch, seq, lr):
+    add_finetune_flags(p, f"the base checkpoint or its run folder (default {ckpt})", ckpt, out, 300,
+                       (batch, "examples per step"), lr, "data order",
+                       data="Alpaca JSON (default: the built-in instruction set, no download)")
+    p.add_argument("--seq", type=int, default=seq, help=f"longest example in tokens (default {seq})")
