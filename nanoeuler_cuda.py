@@ -657,51 +657,22 @@ def swiglu_bwd(dact, gu, act=None):
 #     target targets[n + k] when t + k < T; -1 is ignored. scales[k] = weight_k / count_k ---
 
 XENT_SRC = r"""
-extern "C" __global__ void xent(float* __restrict__ logits, const int* __restrict__ targets,
-                                const float* __restrict__ scales, float* __restrict__ rowloss,
-                                int N, int T, int V, int nmtp, int want_grad) {
-    int n = blockIdx.x, k = blockIdx.y, t = n % T;
-    int tgt = (t + k < T) ? targets[n + k] : -1;
-    float* row = logits + ((i64)n * nmtp + k) * V;
+// One (row, head): -log p(target) into *loss and, with want_grad, sc * (softmax - onehot) into drow: the
+// row itself for fp32 (in place), or bf16 dl, the next GEMMs' input, in the bf16 path. tgt < 0 counts
+// nothing and has a zero gradient. The statistics (max, sum of exp, log-sum-exp) are fp32; a row of
+// V <= XENT_NPT * blockDim is read once, into registers.
+#define XENT_NPT 16
+template <typename G> __device__ void xent_row(const float* row, G* drow, int tgt, float sc, float* loss, int V,
+                                               int want_grad) {
     if (tgt < 0) {                                        // uniform over the block: no barrier is skipped
-        if (want_grad) for (int c = threadIdx.x; c < V; c += blockDim.x) row[c] = 0.f;
-        if (threadIdx.x == 0) rowloss[(i64)k * N + n] = 0.f;
+        if (want_grad) for (int c = threadIdx.x; c < V; c += blockDim.x) stf(drow + c, 0.f);
+        if (threadIdx.x == 0) *loss = 0.f;
         return;
     }
-    float xt = row[tgt];                                  // read before any thread overwrites the row
-    float m = NEG_INF;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, row[c]);
-    m = block_max(m);
-    float z = 0.f;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) z += expf(row[c] - m);
-    z = block_sum(z);
-    float lse = m + logf(z);
-    if (threadIdx.x == 0) rowloss[(i64)k * N + n] = lse - xt;
-    if (want_grad) {
-        float sc = scales[k];
-        for (int c = threadIdx.x; c < V; c += blockDim.x) row[c] = (expf(row[c] - lse) - (c == tgt ? 1.f : 0.f)) * sc;
-    }
-}
-// The bf16 path's loss on a chunk of rows n0 .. n0 + gridDim.x: logits (rows, nmtp*V) fp32, made by one
-// GEMM from the bf16 hf and heads; the same loss per (row, head) as xent, and with want_grad the gradient
-// scale_k * (softmax - onehot) as bf16 into dl (the next GEMMs' input). The chunk's rows sit at
-// rowloss[k, n0 + r]; the statistics (max, sum of exp, log-sum-exp) are fp32.
-#define XENT_NPT 16    // logits per thread held in registers: one read of a row of V <= 16 * blockDim
-extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* __restrict__ logits, bf16* __restrict__ dl,
-                                      const int* __restrict__ targets, const float* __restrict__ scales,
-                                      float* __restrict__ rowloss, int n0, int N, int T, int V, int nmtp,
-                                      int want_grad) {
-    int r = blockIdx.x, k = blockIdx.y, n = n0 + r, t = n % T;
-    int tgt = (t + k < T) ? targets[n + k] : -1;
-    const float* row = logits + ((i64)r * nmtp + k) * V;
-    bf16* drow = dl + ((i64)r * nmtp + k) * V;
-    if (tgt < 0) {                                        // uniform over the block: no barrier is skipped
-        if (want_grad) for (int c = threadIdx.x; c < V; c += blockDim.x) drow[c] = 0;
-        if (threadIdx.x == 0) rowloss[(i64)k * N + n] = 0.f;
-        return;
-    }
-    if (V <= XENT_NPT * (int)blockDim.x) {                // uniform: the row in registers, read once
-        float v[XENT_NPT], m = NEG_INF, z = 0.f;
+    const float xt = row[tgt];                            // read before any thread overwrites the row
+    float m = NEG_INF, z = 0.f, lse;
+    if (V <= XENT_NPT * (int)blockDim.x) {                // uniform: the row in registers
+        float v[XENT_NPT];
 #pragma unroll
         for (int j = 0; j < XENT_NPT; j++) {
             const int c = threadIdx.x + j * blockDim.x;
@@ -711,32 +682,42 @@ extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* __rest
         m = block_max(m);
 #pragma unroll
         for (int j = 0; j < XENT_NPT; j++) z += expf(v[j] - m);     // exp(-inf) = 0 for the padding
-        z = block_sum(z);
-        const float lse = m + logf(z);
-        if (threadIdx.x == 0) rowloss[(i64)k * N + n] = lse - row[tgt];
+        lse = m + logf(block_sum(z));
         if (want_grad) {
-            const float sc = scales[k];
 #pragma unroll
             for (int j = 0; j < XENT_NPT; j++) {
                 const int c = threadIdx.x + j * blockDim.x;
-                if (c < V) drow[c] = f2bf((expf(v[j] - lse) - (c == tgt ? 1.f : 0.f)) * sc);
+                if (c < V) stf(drow + c, (expf(v[j] - lse) - (c == tgt ? 1.f : 0.f)) * sc);
             }
         }
-        return;
+    } else {
+        for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, row[c]);
+        m = block_max(m);
+        for (int c = threadIdx.x; c < V; c += blockDim.x) z += expf(row[c] - m);
+        lse = m + logf(block_sum(z));
+        if (want_grad)
+            for (int c = threadIdx.x; c < V; c += blockDim.x)
+                stf(drow + c, (expf(row[c] - lse) - (c == tgt ? 1.f : 0.f)) * sc);
     }
-    float m = NEG_INF;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) m = fmaxf(m, row[c]);
-    m = block_max(m);
-    float z = 0.f;
-    for (int c = threadIdx.x; c < V; c += blockDim.x) z += expf(row[c] - m);
-    z = block_sum(z);
-    float lse = m + logf(z);
-    if (threadIdx.x == 0) rowloss[(i64)k * N + n] = lse - row[tgt];
-    if (want_grad) {
-        float sc = scales[k];
-        for (int c = threadIdx.x; c < V; c += blockDim.x)
-            drow[c] = f2bf((expf(row[c] - lse) - (c == tgt ? 1.f : 0.f)) * sc);
-    }
+    if (threadIdx.x == 0) *loss = lse - xt;
+}
+// fp32: every row of logits (N, nmtp*V), the gradient in place
+extern "C" __global__ void __launch_bounds__(256) xent(float* __restrict__ logits, const int* __restrict__ targets,
+                                                       const float* __restrict__ scales, float* __restrict__ rowloss,
+                                                       int N, int T, int V, int nmtp, int want_grad) {
+    int n = blockIdx.x, k = blockIdx.y, t = n % T;
+    float* row = logits + ((i64)n * nmtp + k) * V;
+    xent_row(row, row, (t + k < T) ? targets[n + k] : -1, scales[k], rowloss + (i64)k * N + n, V, want_grad);
+}
+// bf16: the chunk of rows n0 .. n0 + gridDim.x, logits (rows, nmtp*V) fp32 made by one GEMM from the bf16 hf
+// and heads; the gradient as bf16 into dl; the chunk's rows sit at rowloss[k, n0 + r]
+extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* __restrict__ logits, bf16* __restrict__ dl,
+                                      const int* __restrict__ targets, const float* __restrict__ scales,
+                                      float* __restrict__ rowloss, int n0, int N, int T, int V, int nmtp,
+                                      int want_grad) {
+    int r = blockIdx.x, k = blockIdx.y, n = n0 + r, t = n % T;
+    xent_row(logits + ((i64)r * nmtp + k) * V, dl + ((i64)r * nmtp + k) * V, (t + k < T) ? targets[n + k] : -1,
+             scales[k], rowloss + (i64)k * N + n, V, want_grad);
 }
 // ce[k] = sum_n rowloss[k, n] * inv_count[k]; one block per head, fixed order
 extern "C" __global__ void loss_reduce(const float* __restrict__ rowloss, const float* __restrict__ inv_count,
@@ -1187,6 +1168,23 @@ __device__ __forceinline__ void fb_load_tile(bf16* dst, const bf16* src, int r0,
         fb_cp16(dst + r * LDS + c, src + (long long)(ok ? r0 + r : 0) * ld + col + c, ok ? 16 : 0);
     }
 }
+// the double-buffered key loop of the forward and dq kernels: the K and V tiles after tile kt (up to last)
+// start loading into the other buffer, and tile kt, in buffer kt & 1, is waited for
+template <int HD>
+__device__ __forceinline__ void fb_next_kv(bf16* Ks, bf16* Vs, const bf16* base, int kt, int last, int T, long long S,
+                                           int kcol, int vcol) {
+    constexpr int TILE = 64 * (HD + 8);
+    if (kt < last) {
+        const int nb = (kt + 1) & 1;
+        fb_load_tile<HD>(Ks + nb * TILE, base, (kt + 1) * 64, T, S, kcol);
+        fb_load_tile<HD>(Vs + nb * TILE, base, (kt + 1) * 64, T, S, vcol);
+        fb_commit();
+        fb_wait<1>();
+    } else {
+        fb_wait<0>();
+    }
+    __syncthreads();                                               // tile kt is in shared memory
+}
 // src[r0 .. r0+64) fp32 -> smem [64]; zeros past T
 __device__ __forceinline__ void fb_load_vec(float* dst, const float* src, int r0, int T) {
     if (threadIdx.x < 64) {
@@ -1265,16 +1263,7 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
 #pragma unroll
         for (int e = 0; e < 4; e++) o[n][e] = 0.f;
     for (int kt = 0; kt <= qt; kt++) {
-        if (kt < qt) {                                             // prefetch the next K/V tile
-            const int nb = (kt + 1) & 1;
-            fb_load_tile<HD>(Ks + nb * TILE, base, (kt + 1) * 64, T, S, Cq + kvh * HD);
-            fb_load_tile<HD>(Vs + nb * TILE, base, (kt + 1) * 64, T, S, Cq + Ck + kvh * HD);
-            fb_commit();
-            fb_wait<1>();
-        } else {
-            fb_wait<0>();
-        }
-        __syncthreads();                                           // tile kt is in shared memory
+        fb_next_kv<HD>(Ks, Vs, base, kt, qt, T, S, Cq + kvh * HD, Cq + Ck + kvh * HD);
         const bf16* Kc = Ks + (kt & 1) * TILE;
         const bf16* Vc = Vs + (kt & 1) * TILE;
         float s[8][4];
@@ -1400,16 +1389,7 @@ __device__ __forceinline__ void fb_dq_body(const bf16* __restrict__ qkv, const b
 #pragma unroll
         for (int e = 0; e < 4; e++) dq[n][e] = 0.f;
     for (int kt = 0; kt <= qt; kt++) {
-        if (kt < qt) {
-            const int nb = (kt + 1) & 1;
-            fb_load_tile<HD>(Ks + nb * TILE, base, (kt + 1) * 64, T, S, Cq + kvh * HD);
-            fb_load_tile<HD>(Vs + nb * TILE, base, (kt + 1) * 64, T, S, Cq + Ck + kvh * HD);
-            fb_commit();
-            fb_wait<1>();
-        } else {
-            fb_wait<0>();
-        }
-        __syncthreads();
+        fb_next_kv<HD>(Ks, Vs, base, kt, qt, T, S, Cq + kvh * HD, Cq + Ck + kvh * HD);
         const bf16* Kc = Ks + (kt & 1) * TILE;
         const bf16* Vc = Vs + (kt & 1) * TILE;
         float s[8][4], dp[8][4];
@@ -2686,6 +2666,17 @@ PRECISION_HELP = ("bf16: mixed precision (fp32 master weights and Adam moments, 
 
 def add_precision_flag(p, default_note="bf16"):
     p.add_argument("--precision", choices=PRECISIONS, help=f"{PRECISION_HELP} (default {default_note})")
+
+
+def add_model_flags(p):
+    """--attn and --precision of the modes that run a loaded checkpoint (sft, dpo, eval)."""
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
+    add_precision_flag(p)
+
+
+def precision_of(a, cfg):
+    """add_model_flags' precision: as asked (an error where cfg cannot run it), else bf16 where it can."""
+    return check_precision(a.precision or "bf16", cfg, a.attn, explicit=a.precision is not None)
 DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
 
 
@@ -3134,13 +3125,12 @@ def cmd_infer(argv):
 def cmd_sft(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sft", description="fine-tune a base checkpoint on instructions")
     pl.add_sft_flags(p, ckpt="out/gpu/ckpt.npz", out="out/gpu_chat", batch=16, seq=512, lr=1e-4)
-    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
-    add_precision_flag(p)
+    add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch", "seq")
     gpu()
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
-    precision = check_precision(a.precision or "bf16", P.cfg, a.attn, explicit=a.precision is not None)
+    precision = precision_of(a, P.cfg)
     trainer = make_trainer(P, a.batch, min(a.seq, P.cfg.ctx), a.attn, precision=precision)
     print(f"{PRECISION_WORDS[precision]}", flush=True)
     pl.run_sft(a, P, tok, lambda: trainer, trainer.model.batch_loss, fixed_shape=True)
@@ -3287,13 +3277,12 @@ def cmd_dpo(argv):
                   "a chat checkpoint on pairs of a chosen and a rejected answer, against itself frozen; writes a chat "
                   "checkpoint")
     pl.add_dpo_flags(p, ckpt="out/gpu_chat/ckpt.npz", out="out/gpu_dpo", steps=75, batch=8, lr=1e-5)
-    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
-    add_precision_flag(p)
+    add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch")
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    precision = check_precision(a.precision or "bf16", P.cfg, a.attn, explicit=a.precision is not None)
+    precision = precision_of(a, P.cfg)
     trainer = DPOTrainer(make_trainer(P, 2 * a.batch, P.cfg.ctx, a.attn, precision=precision), a.beta)
     print(f"{2 * a.batch} rows x {P.cfg.ctx} a step, {PRECISION_WORDS[precision]}", flush=True)
     pl.run_dpo(a, P, tok, extra, lambda: trainer, trainer.seq_logps, fixed_shape=True)
@@ -3380,13 +3369,12 @@ def cmd_eval(argv):
     import evaluate
     p = pl.Parser(prog="nanoeuler_cuda.py eval", description=evaluate.EVAL_HELP + "; batched on the GPU")
     evaluate.add_eval_flags(p, "out/gpu/ckpt.npz")
-    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
-    add_precision_flag(p)
+    add_model_flags(p)
     a = p.parse_args(argv)
     evaluate.check_eval_args(a)
     gpu()
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
-    precision = check_precision(a.precision or "bf16", P.cfg, a.attn, explicit=a.precision is not None)
+    precision = precision_of(a, P.cfg)
     t0 = time.time()
     print(PRECISION_WORDS[precision], flush=True)
     evaluate.run_eval(a, tok, P.cfg.ctx, gpu_logprobs(P, 8, P.cfg.ctx, precision, a.attn) if a.task == "bpb" else None,

@@ -730,7 +730,8 @@ def test_every_kernel_compiles_with_nvrtc():
 
 
 def test_every_kernel_has_a_launcher_and_a_check():
-    """Each extern "C" kernel is launched from Python (its name appears outside the CUDA strings)."""
+    """Each extern "C" kernel is launched from Python (its name appears outside the CUDA strings), and each
+    _k("name") launch names a kernel that a source defines (a kernel lost from a source fails here)."""
     src = (Path(ROOT) / "nanoeuler_cuda.py").read_text()
     py = re.sub(r'r"""(.|\n)*?"""', "", src)                       # the Python: CUDA strings removed
     for mod, code in nc.SOURCES.items():
