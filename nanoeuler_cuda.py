@@ -364,72 +364,91 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const f
 // Backward in one pass over dy and x: dx (+)= r*g - r^3 * x * mean(g*x), g = dy*w (fp32; with WB also a
 // bf16 copy dxb of the new dx, the next GEMMs' input), and dw's partial sums without atomics. A block is
 // 4 warps; a warp takes rpw consecutive rows, one at a time, its lane holding the row's columns
-// c = lane + 32j (j < NJ: D <= 32 NJ; NJ = 24 or 32 sizes the registers to the row) and its columns' share
-// of dw = sum_rows dy*x*r; the 4 warps are added in warp order into part[block][D] and col_sum adds the
-// blocks in order. Every sum has a fixed order. rpw is chosen so that there are about 1024 blocks.
-template <int NJ, bool WB>
+// 4(lane + 32j) .. +3 (j < NV: D <= 128 NV; NV = 6 or 8 sizes the registers to the row; D % 4 == 0), all
+// loaded (dy, x and the dx it adds to) before the row's one reduction, 16 bytes at a time; its lanes hold
+// their columns' share of dw = sum_rows dy*x*r; the 4 warps are added in warp order into part[block][D]
+// and col_sum adds the blocks in order. Every sum has a fixed order. rpw: about 1024 blocks.
+template <int NV, bool WB>
 __device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, const float* __restrict__ x,
         const float* __restrict__ w, const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb,
         int accumulate, float* __restrict__ part, int N, int D, int rpw) {
-    __shared__ float sh[4][33];
-    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-    float acc[NJ];
+    __shared__ float4 sh[4][32];
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5, D4 = D >> 2;
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    float4 acc[NV];
 #pragma unroll
-    for (int j = 0; j < NJ; j++) acc[j] = 0.f;
+    for (int j = 0; j < NV; j++) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     const int row0 = (blockIdx.x * 4 + wp) * rpw;
     for (int i = 0; i < rpw; i++) {
         const int row = row0 + i;
         if (row >= N) break;                                       // uniform over the warp
-        const float* dyr = dy + (i64)row * D;
-        const float* xr = x + (i64)row * D;
-        float g[NJ], xv[NJ], gx = 0.f;
+        const float4* dyr = reinterpret_cast<const float4*>(dy + (i64)row * D);
+        const float4* xr = reinterpret_cast<const float4*>(x + (i64)row * D);
+        float4* dxr = reinterpret_cast<float4*>(dx + (i64)row * D);
+        float4 g[NV], xv[NV], old[NV];
+        float gx = 0.f;
 #pragma unroll
-        for (int j = 0; j < NJ; j++) {
+        for (int j = 0; j < NV; j++) {
             const int c = lane + 32 * j;
-            g[j] = 0.f; xv[j] = 0.f;
-            if (c < D) { g[j] = dyr[c]; xv[j] = xr[c]; gx += g[j] * w[c] * xv[j]; }
+            g[j] = xv[j] = old[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (c < D4) {
+                g[j] = dyr[c]; xv[j] = xr[c];
+                if (accumulate) old[j] = dxr[c];
+                const float4 wv = __ldg(w4 + c);
+                gx += g[j].x * wv.x * xv[j].x + g[j].y * wv.y * xv[j].y + g[j].z * wv.z * xv[j].z + g[j].w * wv.w * xv[j].w;
+            }
         }
         gx = warp_sum(gx);
         const float r = rstd[row], k = r * r * r * gx / D;
-        float* dxr = dx + (i64)row * D;
 #pragma unroll
-        for (int j = 0; j < NJ; j++) {
+        for (int j = 0; j < NV; j++) {
             const int c = lane + 32 * j;
-            if (c < D) {
-                float v = r * g[j] * w[c] - k * xv[j];
-                if (accumulate) v += dxr[c];
+            if (c < D4) {
+                const float4 wv = __ldg(w4 + c);
+                float4 v = make_float4(r * g[j].x * wv.x - k * xv[j].x + old[j].x, r * g[j].y * wv.y - k * xv[j].y + old[j].y,
+                                       r * g[j].z * wv.z - k * xv[j].z + old[j].z, r * g[j].w * wv.w - k * xv[j].w + old[j].w);
                 dxr[c] = v;
-                if (WB) dxb[(i64)row * D + c] = f2bf(v);
-                acc[j] += g[j] * xv[j] * r;
+                if (WB) {
+                    uint2 b;
+                    b.x = pack_bf2(v.x, v.y);
+                    b.y = pack_bf2(v.z, v.w);
+                    reinterpret_cast<uint2*>(dxb + (i64)row * D)[c] = b;
+                }
+                acc[j].x += g[j].x * xv[j].x * r; acc[j].y += g[j].y * xv[j].y * r;
+                acc[j].z += g[j].z * xv[j].z * r; acc[j].w += g[j].w * xv[j].w * r;
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < NJ; j++) {                                 // the 4 warps, 32 columns at a time
-        if (32 * j >= D) break;                                    // uniform over the block
+    for (int j = 0; j < NV; j++) {                                 // the 4 warps, 128 columns at a time
+        if (128 * j >= D) break;                                   // uniform over the block
         sh[wp][lane] = acc[j];
         __syncthreads();
-        if (wp == 0 && lane + 32 * j < D)
-            part[(i64)blockIdx.x * D + lane + 32 * j] = ((sh[0][lane] + sh[1][lane]) + sh[2][lane]) + sh[3][lane];
+        if (wp == 0 && lane + 32 * j < D4) {
+            const float4 a = sh[0][lane], b = sh[1][lane], c = sh[2][lane], d = sh[3][lane];
+            reinterpret_cast<float4*>(part + (i64)blockIdx.x * D)[lane + 32 * j] =
+                make_float4(((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y, ((a.z + b.z) + c.z) + d.z,
+                            ((a.w + b.w) + c.w) + d.w);
+        }
         __syncthreads();
     }
 }
-// D <= 1024 (NJ 32) and D <= 768 (NJ 24: fewer registers, more blocks per SM); fp32 dx alone, or with its bf16 copy
+// D <= 1024 (NV 8) and D <= 768 (NV 6: fewer registers, more blocks per SM); fp32 dx alone, or with its bf16 copy
 #define RMS_BWD_PARAMS const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w, \
         const float* __restrict__ rstd, float* __restrict__ dx
 #define RMS_BWD_TAIL int accumulate, float* __restrict__ part, int N, int D, int rpw
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd(RMS_BWD_PARAMS, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<32, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
+    rmsnorm_bwd_body<8, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_d768(RMS_BWD_PARAMS, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<24, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
+    rmsnorm_bwd_body<6, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16(RMS_BWD_PARAMS, bf16* __restrict__ dxb, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<32, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
+    rmsnorm_bwd_body<8, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
 }
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16_d768(RMS_BWD_PARAMS, bf16* __restrict__ dxb,
                                                                         RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<24, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
+    rmsnorm_bwd_body<6, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
 }
 // out[c] = sum over chunks of part[chunk][c] in a fixed order: a block is 32 columns x 32 lanes; lane y
 // adds chunks y, y+32, ... in order, then the 32 lanes are added in order (coalesced 128-byte rows)
@@ -473,11 +492,11 @@ def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None):
 
 def rmsnorm_bwd(dy, x, w, rstd, dx, dw, part, accumulate=True, dxb=None):
     """dx (+)= d/dx (and dxb = bf16(dx) when given); dw = sum over rows, via part: a (rms_part_rows(N), D)
-    scratch. D <= 1024."""
+    scratch. D <= 1024, D % 4 == 0, rows 16-byte aligned."""
     N, D = x.shape
     rpw = rms_rows_per_warp(N)
     nb = -(-N // (4 * rpw))
-    assert part.shape[0] >= nb and part.shape[1] == D and D <= 1024
+    assert part.shape[0] >= nb and part.shape[1] == D and D <= 1024 and D % 4 == 0
     tail = (I32(accumulate), part, I32(N), I32(D), I32(rpw))
     if dxb is None:
         _k("rmsnorm_bwd_d768" if D <= 768 else "rmsnorm_bwd")((nb,), (128,), (dy, x, w, rstd, dx) + tail)
@@ -2300,8 +2319,8 @@ class Model:
         gpu()
         if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
             raise UserError(f"config {cfg}: dim must split into heads, and query heads into kv groups")
-        if cfg.dim > 1024:
-            raise UserError(f"config {cfg}: the RMSNorm kernels take a width of at most 1024")
+        if cfg.dim > 1024 or cfg.dim % 4:
+            raise UserError(f"config {cfg}: the RMSNorm kernels take a width of at most 1024, a multiple of 4")
         if T > cfg.ctx:
             raise UserError(f"--seq {T} is longer than the context of {cfg.ctx}")
         self.bf = check_precision(precision, cfg, attn) == "bf16"
