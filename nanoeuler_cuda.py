@@ -131,7 +131,7 @@ NAIVE_TF32 = False   # the naive attention's score/value products stay fp32 (CON
 
 
 # cudaDataType / cublasComputeType_t / cublasGemmAlgo_t values for cublasGemmEx
-CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 14, 68, -1
+CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 0, 14, 68, 77, -1
 BF = np.uint16      # the dtype of bf16 arrays: the bits, see the module's docstring
 
 
@@ -1710,15 +1710,16 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     runs `rows` new tokens of every stream (row n = stream * rows + t) at positions pos + t, where pos is
 #     state[0] on the device: the host never passes a position by value, so one captured CUDA graph serves
 #     every step. state = [pos, step, ids of the step's rows...].
-#     rope_store rotates q and k and appends k and v to the cache; attn_cached runs one block per (row,
-#     query head, stream) over keys 0 .. pos + t; matvec is the decode step's matrix product (matvec_glu
-#     with SwiGLU on its input); sample_tokens draws each
-#     stream's next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each
-#     row's result depends on that row alone, never on how many rows the step has: a verify step of
-#     speculative decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
+#     A decode step's layer is five kernels: matvec's RMSNorm-qkv-RoPE-append (the rotated k and v go into the
+#     caches), attn_cached (one block per row, kv head and stream, over keys 0 .. pos + t), matvec adding the
+#     attention's projection to the residual, matvec's RMSNorm-w1|w3-SwiGLU, and matvec adding w2's product.
+#     More rows (a prompt, a batch of streams) take cuBLAS and rope_store. sample_tokens draws each stream's
+#     next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each row's
+#     result depends on that row alone, never on how many rows the step has: a verify step of speculative
+#     decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
 
 INFER_SRC = r"""
-// RoPE on the q and k heads of each new row (in place) and the row's k and v into the cache: a thread per
+// (cuBLAS path) RoPE on the q and k heads of each new row (in place) and the row's k and v into the cache: a thread per
 // (row, head, pair i / i + hd/2); heads Hq.. Hq+Hkv-1 are k, the rest v
 extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
                                       const float* __restrict__ cosv, const float* __restrict__ sinv,
@@ -1745,81 +1746,167 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
         cache[i + half] = c;
     }
 }
-// One block (256 threads) per (row, query head, stream) over keys 0 .. pos + t: a thread per key for the
-// scores (16-byte loads of the key, all in flight: HD is a compile-time constant), then 256 / HD groups of
-// HD threads, group g summing the values of keys g, g + groups, ..; the groups' partial sums are added in
-// a fixed order.
+// One block (256 threads) per (row, kv head, stream) over keys 0 .. pos + t, for the G <= 4 query heads that
+// share the kv head (each key and value is loaded once for all of them): a thread per key for the G
+// scores (16-byte loads of the key, all in flight: HD is a compile-time constant; the queries in shared
+// memory), then 256 / (HD/4) groups of HD/4 threads, group g summing the values of keys g, g + groups, ..
+// 16 bytes a thread for the G heads; the groups' partial sums are added in a fixed order.
 template <int HD> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
         float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale) {
-    extern __shared__ __align__(16) float sc[];          // [ctx] scores, then probabilities; [256] partials
-    constexpr int groups = 256 / HD;
-    int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, j = h / (Hq / Hkv), nk = state[0] + t + 1;
-    i64 n = (i64)b * rows + t;
-    int Cq = Hq * HD, S = Cq + 2 * Hkv * HD;
-    const float4* q = reinterpret_cast<const float4*>(qkv + n * S + h * HD);
+    extern __shared__ __align__(16) float sm[];          // [G][ctx] scores, then probabilities; [G][HD] q; partials
+    __shared__ float zs[4];
+    constexpr int D4 = HD / 4;
+    const int KG = blockDim.x / D4;
+    const int t = blockIdx.x, j = blockIdx.y, b = blockIdx.z, G = Hq / Hkv, nk = state[0] + t + 1, tid = threadIdx.x;
+    const i64 n = (i64)b * rows + t;
+    const int Cq = Hq * HD, S = Cq + 2 * Hkv * HD;
+    float* sc = sm;
+    float* qs = sm + G * ctx;
+    float4* part = reinterpret_cast<float4*>(qs + G * HD);  // [KG][G][D4]
+    for (int e = tid; e < G * HD; e += blockDim.x) qs[e] = qkv[n * S + (i64)j * G * HD + e];
+    __syncthreads();
+    const float4* q4 = reinterpret_cast<const float4*>(qs);
     const float* K = kc + ((i64)b * Hkv + j) * ctx * HD;
     const float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD;
-    float m = NEG_INF;
-    for (int k = threadIdx.x; k < nk; k += blockDim.x) {
+    float m[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+    for (int k = tid; k < nk; k += blockDim.x) {
         const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * HD);
-        float s = 0.f;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int d = 0; d < HD / 4; d++) {
-            float4 a = __ldg(q + d), c = __ldg(kr + d);
-            s += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+        for (int d = 0; d < D4; d++) {
+            const float4 c = __ldg(kr + d);
+#pragma unroll
+            for (int g = 0; g < 4; g++)
+                if (g < G) { const float4 a = q4[g * D4 + d]; s[g] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w; }
         }
-        sc[k] = s * scale;
-        m = fmaxf(m, s * scale);
-    }
-    m = block_max(m);
-    float z = 0.f;
-    for (int k = threadIdx.x; k < nk; k += blockDim.x) { float e = expf(sc[k] - m); sc[k] = e; z += e; }
-    z = block_sum(z);                                     // its barrier also publishes sc[]
-    int g = threadIdx.x / HD, d = threadIdx.x % HD;
-    float acc = 0.f;
-#pragma unroll 8
-    for (int k = g; k < nk; k += groups) acc += sc[k] * __ldg(Vv + (i64)k * HD + d);
-    float* part = sc + ctx;
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.x < HD) {
-        float o = 0.f;
 #pragma unroll
-        for (int i = 0; i < groups; i++) o += part[i * HD + d];
-        out[n * Cq + h * HD + d] = o / z;
+        for (int g = 0; g < 4; g++)
+            if (g < G) { sc[g * ctx + k] = s[g] * scale; m[g] = fmaxf(m[g], s[g] * scale); }
+    }
+    float z[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int g = 0; g < 4; g++) if (g < G) m[g] = block_max(m[g]);
+    for (int k = tid; k < nk; k += blockDim.x) {
+#pragma unroll
+        for (int g = 0; g < 4; g++)
+            if (g < G) { const float e = expf(sc[g * ctx + k] - m[g]); sc[g * ctx + k] = e; z[g] += e; }
+    }
+#pragma unroll
+    for (int g = 0; g < 4; g++) if (g < G) z[g] = block_sum(z[g]);   // its barrier also publishes sc[]
+    if (tid == 0) for (int g = 0; g < G; g++) zs[g] = z[g];
+    const int kg = tid / D4, d4 = tid % D4;
+    float4 acc[4];
+#pragma unroll
+    for (int g = 0; g < 4; g++) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int k = kg; k < nk; k += KG) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(Vv + (i64)k * HD) + d4);
+#pragma unroll
+        for (int g = 0; g < 4; g++)
+            if (g < G) {
+                const float pk = sc[g * ctx + k];
+                acc[g].x += pk * v.x; acc[g].y += pk * v.y; acc[g].z += pk * v.z; acc[g].w += pk * v.w;
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < 4; g++) if (g < G) part[(kg * G + g) * D4 + d4] = acc[g];
+    __syncthreads();
+    const float* pf = reinterpret_cast<const float*>(part);
+    for (int e = tid; e < G * HD; e += blockDim.x) {
+        const int g = e / HD, d = e % HD;
+        float o = 0.f;
+        for (int i = 0; i < KG; i++) o += pf[(i * G + g) * HD + d];
+        out[n * Cq + ((i64)j * G + g) * HD + d] = o / zs[g];
     }
 }
-// out (R, N) = x (R, K) @ W (N, K)^T for the few rows of a decode step. A block of 8 warps takes 8 / PARTS
-// columns, PARTS warps each splitting K (16-byte loads, K % 4 == 0), for up to 8 rows of x at a time; the
-// PARTS partial sums are added in a fixed order. PARTS depends on W's shape alone (matvec()), so each row's
-// result is the same for any R. GLU: x is [g | u] (R, 2K) and the product takes silu(g) * u, SwiGLU's
-// output, made on the fly.
-template <bool GLU> __device__ __forceinline__ float4 x_at(const float* __restrict__ x, int r, int k, int K) {
-    if (!GLU) return __ldg(reinterpret_cast<const float4*>(x + (i64)r * K) + k);
-    float4 g = __ldg(reinterpret_cast<const float4*>(x + (i64)r * 2 * K) + k);
-    float4 u = __ldg(reinterpret_cast<const float4*>(x + (i64)r * 2 * K + K) + k);
-    return make_float4(g.x / (1.f + expf(-g.x)) * u.x, g.y / (1.f + expf(-g.y)) * u.y,
-                       g.z / (1.f + expf(-g.z)) * u.z, g.w / (1.f + expf(-g.w)) * u.w);
-}
-template <bool GLU, int PARTS> __device__ void matvec_rows(float* __restrict__ out, const float* __restrict__ x,
-                                                           const float* __restrict__ W, int R, int K, int N) {
-    constexpr int CB = 8 / PARTS;                          // columns per block
-    __shared__ float red[8][8];                           // [warp][row of the group]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % PARTS;
-    int col = blockIdx.x * CB + warp / PARTS, K4 = K >> 2;
-    const float4* w4 = reinterpret_cast<const float4*>(W + (i64)min(col, N - 1) * K);
+// The decode step's products, for its few rows (R <= 16): out = EPI(x' @ W^T), x (R, K), W (N, K), and x'
+// = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation. A unit
+// of work is two of W's rows c1, c2, taken by PARTS warps that split K (16-byte loads, K % 4 == 0), 8 /
+// PARTS units a block of 8 warps, 8 rows of x at a time; the PARTS partial sums are added in a fixed
+// order. PARTS depends on W's shape alone (matvec()), so each row's result is the same for any R. EPI:
+//   OUT   units (c, c + N/2): out (R, N) = the product;  ADD the same, out += it (the residual, in place);
+//   GLU   W = [w1; w3] (N = 2F), units (f, f + F): out (R, F) = silu(s1) * s2, SwiGLU's activation;
+//   ROPE  W = [wq; wk; wv], units (i, i + hd/2) of each head: out = qkv with its q and k heads rotated at
+//         the row's position (state[0] + row % rows), k and v also appended to the caches kc and vc.
+enum { OUT = 0, ADD = 1, GLU = 2, ROPE = 3 };
+template <int EPI, int PARTS> __device__ void matvec_rows(
+        float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ W,
+        const float* __restrict__ nw, int R, int K, int N, const int* __restrict__ state,
+        const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc,
+        float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {
+    constexpr bool NORM = EPI != ADD;
+    constexpr int UB = 8 / PARTS;                          // units per block
+    __shared__ float red[2][8][8];                        // [sum][warp][row of the group]
+    __shared__ float rs[16];                              // each row's rstd
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % PARTS, K4 = K >> 2, U = N / 2;
+    const int half = hd / 2;
+    auto cols = [&](int u, int& c1, int& c2) {
+        if (EPI == ROPE) { c1 = (u / half) * hd + u % half; c2 = c1 + half; }
+        else { c1 = u; c2 = u + U; }
+    };
+    if (NORM) {                                           // the same sums, in the same order, in every block
+        for (int r = warp; r < R; r += 8) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (i64)r * K);
+            float ss = 0.f;
+            for (int k = lane; k < K4; k += 32) {
+                const float4 v = __ldg(xr + k);
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + 1e-5f);
+        }
+        __syncthreads();
+    }
+    const int unit = blockIdx.x * UB + warp / PARTS;
+    int c1, c2;
+    cols(min(unit, U - 1), c1, c2);
+    const float4* w1 = reinterpret_cast<const float4*>(W + (i64)c1 * K);
+    const float4* w2 = reinterpret_cast<const float4*>(W + (i64)c2 * K);
+    const float4* n4 = reinterpret_cast<const float4*>(nw);
+    auto epilogue = [&](int r, int u, float s1, float s2) {
+        int a, c;
+        cols(u, a, c);
+        float* o = out + (i64)r * (EPI == GLU ? U : N);
+        if (EPI == OUT) { o[a] = s1; o[c] = s2; }
+        if (EPI == ADD) { o[a] += s1; o[c] += s2; }
+        if (EPI == GLU) o[u] = s1 / (1.f + expf(-s1)) * s2;
+        if (EPI == ROPE) {
+            const int h = u / half, i = u % half, b = r / rows, p = state[0] + r % rows;
+            if (h < Hq + Hkv) {
+                const float cs = cosv[p * half + i], sn = sinv[p * half + i];
+                const float ra = s1 * cs - s2 * sn, rc = s2 * cs + s1 * sn;
+                s1 = ra;
+                s2 = rc;
+            }
+            o[a] = s1;
+            o[c] = s2;
+            if (h >= Hq) {
+                const int jh = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
+                float* cache = (h < Hq + Hkv ? kc : vc) + (((i64)b * Hkv + jh) * ctx + p) * hd;
+                cache[i] = s1;
+                cache[i + half] = s2;
+            }
+        }
+    };
     for (int r0 = 0; r0 < R; r0 += 8) {
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (col < N) {
-#pragma unroll 4
+        float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (unit < U) {
+#pragma unroll 2
             for (int k = part * 32 + lane; k < K4; k += 32 * PARTS) {
-                float4 wv = __ldg(w4 + k);
+                const float4 u = __ldg(w1 + k), v = __ldg(w2 + k);
+                float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
+                if (NORM) g = __ldg(n4 + k);
 #pragma unroll
                 for (int r = 0; r < 8; r++) {
                     if (r0 + r < R) {
-                        float4 xv = x_at<GLU>(x, r0 + r, k, K);
-                        acc[r] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
+                        float4 xv = __ldg(reinterpret_cast<const float4*>(x + (i64)(r0 + r) * K) + k);
+                        if (NORM) {
+                            const float s = rs[r0 + r];
+                            xv = make_float4(xv.x * s * g.x, xv.y * s * g.y, xv.z * s * g.z, xv.w * s * g.w);
+                        }
+                        a1[r] += u.x * xv.x + u.y * xv.y + u.z * xv.z + u.w * xv.w;
+                        a2[r] += v.x * xv.x + v.y * xv.y + v.z * xv.z + v.w * xv.w;
                     }
                 }
             }
@@ -1827,19 +1914,19 @@ template <bool GLU, int PARTS> __device__ void matvec_rows(float* __restrict__ o
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             if (r0 + r < R) {                             // the same for the whole block
-                float sum = warp_sum(acc[r]);
-                if (PARTS == 1 && lane == 0 && col < N) out[(i64)(r0 + r) * N + col] = sum;
-                if (PARTS > 1 && lane == 0) red[warp][r] = sum;
+                const float s1 = warp_sum(a1[r]), s2 = warp_sum(a2[r]);
+                if (PARTS == 1 && lane == 0 && unit < U) epilogue(r0 + r, unit, s1, s2);
+                if (PARTS > 1 && lane == 0) { red[0][warp][r] = s1; red[1][warp][r] = s2; }
             }
         }
         if (PARTS > 1) {
             __syncthreads();
-            if (threadIdx.x < 8 * CB) {
-                int c = threadIdx.x >> 3, r = threadIdx.x & 7, cc = blockIdx.x * CB + c;
-                if (cc < N && r0 + r < R) {
-                    float sum = red[c * PARTS][r];
-                    for (int q = 1; q < PARTS; q++) sum += red[c * PARTS + q][r];
-                    out[(i64)(r0 + r) * N + cc] = sum;
+            if (threadIdx.x < 8 * UB) {
+                const int ub = threadIdx.x >> 3, r = threadIdx.x & 7, u = blockIdx.x * UB + ub;
+                if (u < U && r0 + r < R) {
+                    float s1 = red[0][ub * PARTS][r], s2 = red[1][ub * PARTS][r];
+                    for (int q = 1; q < PARTS; q++) { s1 += red[0][ub * PARTS + q][r]; s2 += red[1][ub * PARTS + q][r]; }
+                    epilogue(r0 + r, u, s1, s2);
                 }
             }
             __syncthreads();
@@ -1986,14 +2073,19 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
 }
 """
 ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
-INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per K split
-    [f'extern "C" __global__ void __launch_bounds__(256) attn_cached_{hd}(const float* __restrict__ qkv, const float* '
+ATTN_THREADS = 512                    # its block
+MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
+INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
+    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}(const float* __restrict__ qkv, const float* '
      f'__restrict__ kc, const float* __restrict__ vc, float* __restrict__ out, const int* __restrict__ state, int rows, '
      f'int Hq, int Hkv, int ctx, float scale) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, ctx, '
      f'scale); }}\n' for hd in ATTN_CACHED_HD] +
-    [f'extern "C" __global__ void __launch_bounds__(256) matvec{"_glu" * glu}_p{parts}(float* __restrict__ out, const '
-     f'float* __restrict__ x, const float* __restrict__ W, int R, int K, int N) {{ matvec_rows<{"true" if glu else "false"}'
-     f', {parts}>(out, x, W, R, K, N); }}\n' for parts in (1, 2, 4, 8) for glu in (False, True)])
+    [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
+     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, const int* '
+     f'__restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc, '
+     f'float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, {parts}>(out, x, W, '
+     f'nw, R, K, N, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
+     for parts in (1, 2, 4, 8) for e, epi in enumerate(MATVEC_EPI)])
 
 
 def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
@@ -2003,20 +2095,24 @@ def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
 
 
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
-    R, ctx = qkv.shape[0], kc.shape[2]
-    assert hd in ATTN_CACHED_HD and R % rows == 0, (hd, R, rows)
-    _k(f"attn_cached_{hd}")((rows, Hq, R // rows), (256,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv),
-                                                            I32(ctx), F32(1.0 / math.sqrt(hd))), shared_mem=(ctx + 256) * 4)
+    R, ctx, G = qkv.shape[0], kc.shape[2], Hq // Hkv
+    assert hd in ATTN_CACHED_HD and R % rows == 0 and G <= 4, (hd, R, rows, G)
+    smem = G * (ctx + hd + 4 * ATTN_THREADS) * 4           # scores, queries, the groups' partial sums
+    k = _k(f"attn_cached_{hd}")
+    k.max_dynamic_shared_size_bytes = smem                 # over 48 KB for G = 4 and a context of 1024
+    k((rows, Hkv, R // rows), (ATTN_THREADS,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx),
+                                                F32(1.0 / math.sqrt(hd))), shared_mem=smem)
 
 
-MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a batch of streams) cuBLAS
+MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
 _blas = None        # [libcublas through ctypes, its workspace], or [None] where it cannot be found
 
 
-def sgemm_nt(C, A, W):
-    """C (M, N) = A (M, K) @ W (N, K).T by cuBLAS's sgemm called through ctypes, so that a CUDA graph can
-    capture it: CuPy's binding refuses any cuBLAS call during a capture, cuBLAS itself does not (given a
-    workspace of its own, set here, as graphs need). Falls back to mm where the library is not found."""
+def sgemm_nt(C, A, W, beta=0.0, tf32=False):
+    """C (M, N) = A (M, K) @ W (N, K).T + beta * C by cuBLAS's sgemm (tf32: gemmEx on TF32 tensor cores,
+    fp32 accumulation) called through ctypes, so that a CUDA
+    graph can capture it: CuPy's binding refuses any cuBLAS call during a capture, cuBLAS itself does not
+    (given a workspace of its own, set here, as graphs need). Falls back to mm where the library is not found."""
     global _blas
     if _blas is None:
         import ctypes
@@ -2030,35 +2126,49 @@ def sgemm_nt(C, A, W):
                                          ctypes.c_size_t(work.size)) == 0:
                 lib.cublasSgemm_v2.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 2 + \
                     [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                i, v = ctypes.c_int, ctypes.c_void_p
+                lib.cublasGemmEx.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
                 _blas = [lib, work]
     if _blas[0] is None:
-        return mm(C, A, W, tb=True)
+        return mm(C, A, W, tb=True, beta=beta)             # (TF32 or not as set_tf32 set it)
     (M, K), N = A.shape, W.shape[0]
     assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
     assert C.dtype == A.dtype == W.dtype == np.float32
-    err = _blas[0].cublasSgemm_v2(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, K, A.data.ptr, K, _ptr(0.0),
-                                  C.data.ptr, N)
+    if tf32:
+        err = _blas[0].cublasGemmEx(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, CUDA_R_32F, K, A.data.ptr,
+                                    CUDA_R_32F, K, _ptr(beta), C.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
+                                    CUBLAS_GEMM_DEFAULT)
+    else:
+        err = _blas[0].cublasSgemm_v2(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, K, A.data.ptr, K, _ptr(beta),
+                                      C.data.ptr, N)
     if err:
         raise RuntimeError(f"cublasSgemm_v2 failed with status {err}")
 
 
-def matvec_parts(N, K):
-    """Warps splitting each column's K: the fewest that give ~2,048 warps (16 per SM of an H200), while each
-    lane still loads a 16-byte piece. A function of W's shape alone: the sum order never depends on R."""
+def matvec_parts(U, K):
+    """Warps splitting each unit's K (a unit: two of W's rows): the fewest that give ~2,048 warps (16 per SM
+    of an H200), while each lane still loads a 16-byte piece. A function of W's shape alone: the sum order
+    never depends on R."""
     parts = 1
-    while parts < 8 and N * parts < 2048 and K // 4 >= 64 * parts:
+    while parts < 8 and U * parts < 2048 and K // 4 >= 64 * parts:
         parts *= 2
     return parts
 
 
-def matvec(out, x, W, glu=False):
-    """out (R, N) = x (R, K) @ W (N, K).T, row by row (see INFER_SRC); glu: x is [g | u] (R, 2K), the product
-    takes silu(g) * u."""
-    R, N, K = x.shape[0], W.shape[0], W.shape[1]
-    assert out.shape == (R, N) and x.shape[1] == (2 * K if glu else K) and K % 4 == 0
+def matvec(out, x, W, epi="out", norm=None, rope=None):
+    """out = epi(x' @ W.T) for a decode step's R <= MATVEC_ROWS rows, x' = RMSNorm(x) * norm (every epi but
+    'add', whose x is an activation); see INFER_SRC: 'out' out (R, N) = the product, 'add' out += it, 'glu'
+    out (R, N/2) = silu(first half) * second half, 'rope' out = qkv, rotated, its k and v also into the
+    caches; rope = (kc, vc, cos, sin, state, rows, Hq, Hkv, hd)."""
+    (R, K), N = x.shape, W.shape[0]
+    assert (norm is None) == (epi == "add") and (rope is None) == (epi != "rope") and R <= MATVEC_ROWS
+    assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
-    parts = matvec_parts(N, K)
-    _k(f"matvec{'_glu' if glu else ''}_p{parts}")((-(-N * parts // 8),), (256,), (out, x, W, I32(R), I32(K), I32(N)))
+    kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
+    parts = matvec_parts(N // 2, K)
+    _k(f"matvec_{epi}_p{parts}")((-(-N // 2 * parts // 8),), (256,),
+                                 (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), state, cos, sin,
+                                  kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd), I32(kc.shape[2] if rope else 0)))
 
 
 def sample_tokens(logits, seen, uni, state, tokens, sampling):
@@ -2875,15 +2985,16 @@ class Sampler:
             dp.upload(P)
             P = dp
         cfg = self.cfg = P.cfg
-        if cfg.head_dim not in ATTN_CACHED_HD:
-            raise UserError(f"GPU generation takes head dims {', '.join(map(str, ATTN_CACHED_HD))}; this model's is "
-                            f"{cfg.head_dim}: generate with nanoeuler.py")
+        if cfg.head_dim not in ATTN_CACHED_HD or cfg.n_heads > 4 * cfg.n_kv_heads:
+            raise UserError(f"GPU generation takes head dims {', '.join(map(str, ATTN_CACHED_HD))} and up to 4 query "
+                            f"heads a kv head; this model has {cfg.head_dim} and {cfg.n_heads // cfg.n_kv_heads}: "
+                            "generate with nanoeuler.py")
         self.P, self.streams, self.graphs = P, streams, graphs
         ctx, D, F, L, V, K = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers, cfg.vocab, cfg.n_mtp
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         R = max(ctx, streams, K)                 # rows: a prompt, a step of every stream, a verify step
         e = lambda *s: cp.empty(s, np.float32)
-        self.xa, self.xb, self.h, self.tmp = e(R, D), e(R, D), e(R, D), e(R, D)
+        self.x, self.h = e(R, D), e(R, D)                # the residual stream; RMSNorm's output (cuBLAS path)
         self.qkv, self.att = e(R, (Hq + 2 * Hkv) * hd), e(R, Hq * hd)
         self.gu, self.act, self.r = e(R, 2 * F), e(R, F), e(R)
         self.lse = e(Hq * ctx)
@@ -2905,14 +3016,24 @@ class Sampler:
         self.pos = 0                             # the cache holds positions 0 .. pos-1 (host's copy)
 
     # --- the passes ---
-    def _mm(self, C, A, W, act=None):
-        """C = A @ W.T; with act (a scratch), C = swiglu(A) @ W.T."""
-        if A.shape[0] <= MATVEC_ROWS and W.shape[1] % 4 == 0:
-            return matvec(C, A, W, glu=act is not None)      # exact whatever the step's row count
-        if act is not None:
-            swiglu_fwd(A, act)
-            A = act
-        sgemm_nt(C, A, W)
+    def _linear(self, out, x, W, epi, norm=None, layer=None, rows=1, tf32=False):
+        """out = epi(x' @ W.T), x' = RMSNorm(x) * norm or x (matvec's epilogues; layer, rows: the caches and
+        rows per stream of 'rope'): one matvec kernel for a decode step (exact whatever its row count); for
+        more rows, RMSNorm, cuBLAS (tf32: on TF32 tensor cores) and the epilogue's own kernel."""
+        R, cfg = x.shape[0], self.cfg
+        rope = None if epi != "rope" else (self.kc[layer], self.vc[layer], self.cos, self.sin, self.state, rows,
+                                           cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+        if R <= MATVEC_ROWS:
+            return matvec(out, x, W, epi, norm, rope)
+        if norm is not None:
+            rmsnorm_fwd(x, norm, self.h[:R], self.r[:R])
+            x = self.h[:R]
+        if epi == "glu":
+            sgemm_nt(self.gu[:R], x, W, tf32=tf32)
+            return swiglu_fwd(self.gu[:R], out)
+        sgemm_nt(out, x, W, beta=1.0 if epi == "add" else 0.0, tf32=tf32)
+        if epi == "rope":
+            rope_store(out, *rope)
 
     def _lg(self, rows, heads):
         """The logits buffer as (rows, heads * V)."""
@@ -2921,31 +3042,28 @@ class Sampler:
 
     def _forward(self, rows, streams, heads, prefill=False):
         """The model over `rows` new ids per stream (state[2:], row = stream * rows + t) at positions
-        state[0] + t, appended to the caches; -> heads' logits of each row in _lg (prefill: the last row)."""
+        state[0] + t, appended to the caches; -> heads' logits of each row in _lg (prefill: the last row).
+        Up to MATVEC_ROWS rows take matvec, each row's result the same for any row count; more (a prompt, a
+        batch of streams) take cuBLAS, and a decode step then takes TF32 products (fp32 accumulation: 1.5x
+        faster at 64 streams; ids may differ from fp32's where two logits nearly tie), a prompt fp32."""
         cfg, P, R = self.cfg, self.P, rows * streams
+        tf32 = not prefill
         hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
-        x, x2, h, tmp, r = self.xa[:R], self.xb[:R], self.h[:R], self.tmp[:R], self.r[:R]
-        qkv, att, gu, act = self.qkv[:R], self.att[:R], self.gu[:R], self.act[:R]
+        x, qkv, att, act = self.x[:R], self.qkv[:R], self.att[:R], self.act[:R]
         embed_fwd(P["tok_emb"], self.state[2:2 + R], x)
-        rmsnorm_fwd(x, P["layers.0.attn_norm"], h, r)
         for l in range(L):
             p = f"layers.{l}."
-            self._mm(qkv, h, P.rows(p + "wq", p + "wv"))
-            rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, self.state, rows, Hq, Hkv, hd)
+            self._linear(qkv, x, P.rows(p + "wq", p + "wv"), "rope", P[p + "attn_norm"], l, rows, tf32)
             if prefill and hd in (32, 64):                                  # the prompt starts at 0
                 flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
             else:
                 attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd)
-            self._mm(tmp, att, P[p + "wo"])
-            rmsnorm_fwd(x, P[p + "ffn_norm"], h, r, add=tmp, xout=x2)      # x2 = x + attention
-            x, x2 = x2, x
-            self._mm(gu, h, P.rows(p + "w1", p + "w3"))
-            self._mm(tmp, gu, P[p + "w2"], act)                              # swiglu(gu) @ w2.T
-            nxt = "norm" if l == L - 1 else f"layers.{l + 1}.attn_norm"
-            rmsnorm_fwd(x, P[nxt], h, r, add=tmp, xout=x2)                  # x2 = x + ffn
-            x, x2 = x2, x
-        last = h[R - 1:R] if prefill else h
-        self._mm(self._lg(len(last), heads), last, P.rows("heads.0", f"heads.{heads - 1}"))
+            self._linear(x, att, P[p + "wo"], "add", tf32=tf32)             # x += attention
+            self._linear(act, x, P.rows(p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], tf32=tf32)
+            self._linear(x, act, P[p + "w2"], "add", tf32=tf32)             # x += ffn
+        last = x[R - 1:R] if prefill else x
+        self._linear(self._lg(len(last), heads), last, P.rows("heads.0", f"heads.{heads - 1}"), "out", P["norm"],
+                     tf32=tf32)
 
     def _prefill(self, ids, streams, heads):
         """The prompt into stream 0's cache (copied to streams 1..), its last row's logits in _lg rows
@@ -3612,8 +3730,9 @@ def selftest_checks(rng):
 
 def selftest_generation(rng, randn, tol):
     """The generation kernels: RoPE and KV-cache attention of 3 streams (a 7-token prefill, then a 3-row
-    step, the position on the device), matvec (each row exact whatever the row count), the device sampler against
-    pipeline.Sampling with the same uniform numbers, and argmax_heads."""
+    step, the position on the device), matvec with each epilogue (each row exact whatever the row count), the
+    decode step as a whole (tiny, small), the device sampler against pipeline.Sampling with the same uniform
+    numbers, and argmax_heads."""
     ne, R = cpu_reference(), []
     hd, Hq, Hkv, T, ctx, ns = 32, 4, 2, 10, 40, 3
     Cq, Ck = Hq * hd, Hkv * hd
@@ -3631,16 +3750,38 @@ def selftest_generation(rng, randn, tol):
     out_r = np.stack([ne.attention_forward(rot(q[:, :Cq], Hq), rot(q[:, Cq:Cq + Ck], Hkv),
                                            q[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq) for q in qkv])
     R.append(("RoPE + KV-cache attention, 3 streams (prefill + 3-row step)", rel_err(out, out_r), tol))
-    for K in (200, 2048):                                # one warp per column; 8 warps splitting K
-        x, W, gu = randn(11, K), randn(70, K), randn(11, 2 * K)
-        o11, o1, og = _nan(11, 70), _nan(1, 70), _nan(11, 70)
-        matvec(o11, _d(x), _d(W))
-        matvec(o1, _d(x[5:6]), _d(W))
-        matvec(og, _d(gu), _d(W), glu=True)
-        tag = f"matvec K={K} ({matvec_parts(70, K)} warps a column)"
-        R.append((f"{tag}, 11 rows", rel_err(o11, x @ W.T), tol))
-        R.append((f"{tag}: row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
-        R.append((f"{tag} with SwiGLU on its input", rel_err(og, ne.swiglu_forward(gu) @ W.T), tol))
+    x, nw, W = randn(ns * 3, 96), randn(96) * 0.5 + 1, randn(Cq + 2 * Ck, 96)       # RMSNorm-qkv-RoPE-append
+    kc2, vc2, g = _nan(ns, Hkv, ctx, hd), _nan(ns, Hkv, ctx, hd), _nan(ns * 3, Cq + 2 * Ck)
+    matvec(g, _d(x), _d(W), "rope", _d(nw), (kc2, vc2, _d(cos), _d(sin), cp.asarray(np.array([7, 0], np.int32)), 3,
+                                             Hq, Hkv, hd))
+    ref = ne.rmsnorm_forward(x, nw)[0] @ W.T
+    for c0, H in ((0, Hq), (Cq, Hkv)):
+        ref[:, c0:c0 + H * hd] = ne.rope_forward(ref[:, c0:c0 + H * hd].reshape(ns * 3, H, hd), np.tile(np.arange(7, 10), ns),
+                                                 cos, sin).reshape(ns * 3, H * hd)
+    R.append(("matvec RMSNorm-qkv-RoPE, 3 streams x 3 rows at 7..9", rel_err(g, ref), tol))
+    cached = np.concatenate([cp.asnumpy(kc2[:, :, 7:10]).transpose(0, 2, 1, 3).reshape(ns * 3, Ck),
+                             cp.asnumpy(vc2[:, :, 7:10]).transpose(0, 2, 1, 3).reshape(ns * 3, Ck)], 1)
+    R.append(("  its k and v appended to the caches (bitwise)", float(np.abs(cached - cp.asnumpy(g[:, Cq:])).max()), 0.0))
+    for K in (200, 2048):                                # one warp a unit; 8 warps splitting K
+        x, W, nw, x0 = randn(11, K), randn(70, K), randn(K) * 0.5 + 1, randn(11, 70)
+        h = ne.rmsnorm_forward(x, nw)[0]
+        tag = f"matvec K={K} ({matvec_parts(35, K)} warps a unit)"
+        for epi, norm, want, shape in (("out", nw, h @ W.T, (11, 70)), ("add", None, x0 + x @ W.T, (11, 70)),
+                                       ("glu", nw, ne.swiglu_forward(h @ W.T), (11, 35))):
+            o11, o1 = (_d(x0) if epi == "add" else _nan(*shape)), (_d(x0[5:6]) if epi == "add" else _nan(1, shape[1]))
+            nd = None if norm is None else _d(norm)
+            matvec(o11, _d(x), _d(W), epi, nd)
+            matvec(o1, _d(x[5:6]), _d(W), epi, nd)
+            R.append((f"{tag} '{epi}', 11 rows", rel_err(o11, want), tol))
+            R.append((f"{tag} '{epi}': row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
+    for name in ("tiny", "small"):                       # the whole decode step against float64
+        P = gradcheck_params(pl.CONFIGS[name], rng, scale=0.3)
+        P64, smp = P.astype(np.float64), Sampler(P)
+        cache = ne.KVCache(P.cfg, 1, np.float64)
+        for ids, what in (([5, 9, 2, 7, 1], "a 5-token prompt's last row"), ([3, 8, 4], "a 3-row step")):
+            got = smp.forward(ids)                       # (rows, n_mtp, V)
+            want = ne.forward_cached(P64, ids, cache, all_heads=True)[-len(got):]
+            R.append((f"decode step, {name}: every head's logits, {what}", rel_err(got, want), tol))
     V, ns, steps = 300, 4, 3
     logits = (randn(steps, ns, V) * 3).astype(np.float32)
     logits[..., 7] = logits[..., 9]                                     # a tie: the smaller id first
