@@ -206,25 +206,38 @@ def rope_backward(du, pos, cos, sin):
 # training steps than 2); shorter chunks make the GEMMs too small to pay (measured).
 
 @njit(**KERNEL_OPTIONS)
+def _max(x, n):
+    """max(x[:n]), n >= 1, as four running maxima: one chain of max() does not vectorise."""
+    m0 = m1 = m2 = m3 = x[0]
+    for j in range(0, n - n % 4, 4):
+        m0, m1, m2, m3 = max(m0, x[j]), max(m1, x[j + 1]), max(m2, x[j + 2]), max(m3, x[j + 3])
+    for j in range(n - n % 4, n):
+        m0 = max(m0, x[j])
+    return max(max(m0, m1), max(m2, m3))
+
+
+@njit(**KERNEL_OPTIONS)
+def _softmax(row, n, scale):
+    """row[:n] unscaled scores -> softmax(scale * row[:n]) in place; row[n:] -> 0."""
+    m = _max(row, n)
+    for j in range(n):                                 # then the sum, apart: exp vectorises in the row's width
+        row[j] = fexp((row[j] - m) * scale)
+    z = 0.0
+    for j in range(n):
+        z += row[j]
+    inv = 1.0 / z
+    for j in range(n):
+        row[j] *= inv
+    row[n:] = 0.0
+
+
+@njit(**KERNEL_OPTIONS)
 def _causal_softmax(S, t0, G, scale):
     """S (B, Hkv, R, K) unscaled scores of the query rows of positions t0.. -> softmax(scale * S) in place.
     Row r is position t = t0 + r // G and sees keys 0..t (the rest become 0)."""
     B, H, R, _ = S.shape
     for b, h, r in np.ndindex(B, H, R):
-        row = S[b, h, r]
-        t = t0 + r // G
-        m = row[0]
-        for j in range(1, t + 1):
-            m = max(m, row[j])
-        z = 0.0
-        for j in range(t + 1):
-            e = fexp((row[j] - m) * scale)
-            row[j] = e
-            z += e
-        inv = 1.0 / z
-        for j in range(t + 1):
-            row[j] *= inv
-        row[t + 1:] = 0.0
+        _softmax(S[b, h, r], t0 + r // G + 1, scale)
 
 
 @njit(**KERNEL_OPTIONS)
@@ -628,68 +641,178 @@ class AdamW:
 # MTP heads draft tokens that head 0 verifies in one forward (self-speculative decoding, CONTRACT.md)
 
 class KVCache:
+    """Per layer and stream: the rotated keys and the values, both transposed, (hd, ctx), so that a query's
+    scores and its weighted sum of values are passes over contiguous rows."""
     def __init__(self, cfg, n=1, dtype=np.float32):
-        shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
+        shape = (cfg.n_layers, n, cfg.n_kv_heads, cfg.head_dim, cfg.ctx)
         self.k, self.v, self.len = np.zeros(shape, dtype), np.zeros(shape, dtype), 0
         self.cos, self.sin = rope_tables(cfg.ctx, cfg.head_dim, dtype)
 
+    def keep(self, n, src=None):
+        """Keeps the first n positions; src: a later position whose keys and values become the n-th's."""
+        if src is not None:
+            _swap_slots(self.k.reshape(-1, *self.k.shape[-2:]), self.v.reshape(-1, *self.v.shape[-2:]), n - 1, src)
+        self.len = n
 
-def _mm_t(h, W):
-    """h @ W.T for the few rows of a decode step: one matrix-vector product per row. With one-thread
-    OpenBLAS, sgemm with 3 rows took 8x the time of 1 row (it packs all of W); 3 gemv calls take 2x."""
-    return np.stack([W @ r for r in h]) if 1 < len(h) <= 4 else h @ W.T
+
+# A decode step's rows are columns of feature-major activations (D, C), at least 4 (the few rows padded
+# with zero columns), and a product is W @ h in one call for W of at most 2^17 entries: OpenBLAS's
+# small-matrix kernel then reads W once for all 4 columns, in the time of a matrix-vector product (bound
+# by reading W), so a step verifying 3 guesses costs what a plain step costs. A larger W (medium) takes one
+# matrix-vector product per row: OpenBLAS packs it for 4 columns, at 1.5-1.8x the time of one. Either way
+# a row is computed the same way whatever the step's other rows: the same ids with and without speculation.
+DECODE_COLUMNS, _SMALL = 4, 1 << 17
 
 
-def forward_cached(P, ids, cache, all_heads=False):
-    """Runs ids (Tn,) or (n, Tn) at positions cache.len.. through the model, appending their keys and
-    values to the cache (a smaller cache.len drops what follows it); -> head-0 logits (Tn, V) or (n, Tn, V),
-    or with all_heads every head's, (..., n_mtp, V). The same layer ops as training, attention over the cache."""
+def _mm(W, h, N, out=None):
+    """W (M, K) @ h (K, C) -> out (M, C), h's first N columns the rows (the rest padding)."""
+    out = np.empty((W.shape[0], h.shape[1]), h.dtype) if out is None else out
+    if W.size <= _SMALL or N > DECODE_COLUMNS:
+        return np.matmul(W, h, out=out)
+    for c in range(N):
+        np.matmul(W, h[:, c], out=out[:, c])
+    out[:, N:] = 0.0
+    return out
+
+
+@njit(**KERNEL_OPTIONS)
+def _cache_attention(qkv, K, V, start, off, cos, sin, out):
+    """A decode step's attention over a KVCache layer: qkv (Cq + 2 Ck, C) feature-major, column s*Tn + t is
+    stream s's row t, at position start + off[t] in cache slot start + t. Stores the rows' rotated keys and
+    their values in K and V (n, Hkv, hd, ctx); row t attends to the first `start` slots, to itself and to
+    the step's earlier rows of lower position (a chain of drafts sees the drafts before it, guesses at one
+    position see none of the others) -> out (Cq, C). The row's slots are first swapped into place after
+    the cache's, so that it reads slots 0..e-1 as plain decoding at its position does: the same sums."""
+    n, Hkv, hd, ctx = K.shape
+    Tn, Hq = len(off), out.shape[0] // hd
+    G = Hq // Hkv
+    pos = np.empty(n * Tn, np.int32)
+    q, k = np.empty((n * Tn, Hq, hd), K.dtype), np.empty((n * Tn, Hkv, hd), K.dtype)
+    for c in range(n * Tn):
+        pos[c] = start + off[c % Tn]
+        for h in range(Hq):
+            q[c, h] = qkv[h * hd:(h + 1) * hd, c]
+        for h in range(Hkv):
+            k[c, h] = qkv[(Hq + h) * hd:(Hq + h + 1) * hd, c]
+    _rope(q, pos, cos, sin, 1.0)
+    _rope(k, pos, cos, sin, 1.0)
+    for c in range(n * Tn):
+        s, slot = c // Tn, start + c % Tn
+        for h in range(Hkv):
+            K[s, h, :, slot] = k[c, h]
+            V[s, h, :, slot] = qkv[(Hq + Hkv + h) * hd:(Hq + Hkv + h + 1) * hd, c]
+    scale = K.dtype.type(1.0 / math.sqrt(hd))
+    rows, o, seen = np.empty((2, ctx), K.dtype), np.empty((2, hd), K.dtype), np.empty(Tn, np.int64)
+    for c in range(n * Tn):
+        s, t = c // Tn, c % Tn
+        m = 0                                                   # the step's rows that row t sees, in order
+        for u in range(t + 1):
+            if u == t or off[u] < off[t]:
+                seen[m] = u
+                m += 1
+        for i in range(m):
+            if seen[i] != i:
+                _swap_slots(K[s], V[s], start + i, start + seen[i])
+        e = start + m
+        E = min(ctx, e + (-e) % 8)                              # whole vectors; the scores past e are unused
+        for kv in range(Hkv):
+            for g in range(0, G, 2):                            # its query heads in pairs (an odd last one twice)
+                h, h2 = kv * G + g, kv * G + min(g + 1, G - 1)
+                _scores2(q[c, h], q[c, h2], K[s, kv], rows, E)
+                _softmax(rows[0, :E], e, scale)
+                _softmax(rows[1, :E], e, scale)
+                _values2(rows, V[s, kv], o, E)
+                out[h * hd:(h + 1) * hd, c] = o[0]
+                out[h2 * hd:(h2 + 1) * hd, c] = o[1]
+        for i in range(m - 1, -1, -1):
+            if seen[i] != i:
+                _swap_slots(K[s], V[s], start + i, start + seen[i])
+
+
+@njit(**KERNEL_OPTIONS)
+def _swap_slots(K, V, a, b):
+    """Swaps slots a and b of K and V (..., hd, ctx)."""
+    for h in range(K.shape[0]):
+        for i in range(K.shape[1]):
+            K[h, i, a], K[h, i, b] = K[h, i, b], K[h, i, a]
+            V[h, i, a], V[h, i, b] = V[h, i, b], V[h, i, a]
+
+
+@njit(**KERNEL_OPTIONS)
+def _scores2(qa, qb, KT, rows, E):
+    """rows[0, :E], rows[1, :E] = qa . KT[:, :E], qb . KT[:, :E] (KT (hd, ctx)), four dimensions a pass (hd
+    is a multiple of 4 in every config)."""
+    a, b = rows[0], rows[1]
+    a[:E] = 0.0
+    b[:E] = 0.0
+    for i in range(0, len(qa), 4):
+        a0, a1, a2, a3, b0, b1, b2, b3 = qa[i], qa[i + 1], qa[i + 2], qa[i + 3], qb[i], qb[i + 1], qb[i + 2], qb[i + 3]
+        k0, k1, k2, k3 = KT[i], KT[i + 1], KT[i + 2], KT[i + 3]
+        for j in range(E):
+            x0, x1, x2, x3 = k0[j], k1[j], k2[j], k3[j]
+            a[j] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+            b[j] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
+
+
+@njit(**KERNEL_OPTIONS)
+def _values2(p, VT, o, E):
+    """o (2, hd) = p (2, E) . VT[:, :E].T (VT (hd, ctx)), four dimensions a pass."""
+    for i in range(0, o.shape[1], 4):
+        v0, v1, v2, v3 = VT[i], VT[i + 1], VT[i + 2], VT[i + 3]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = o.dtype.type(0.0)
+        for j in range(E):
+            x, y = p[0, j], p[1, j]
+            a0, a1, a2, a3 = a0 + x * v0[j], a1 + x * v1[j], a2 + x * v2[j], a3 + x * v3[j]
+            b0, b1, b2, b3 = b0 + y * v0[j], b1 + y * v1[j], b2 + y * v2[j], b3 + y * v3[j]
+        o[0, i], o[0, i + 1], o[0, i + 2], o[0, i + 3] = a0, a1, a2, a3
+        o[1, i], o[1, i + 1], o[1, i + 2], o[1, i + 3] = b0, b1, b2, b3
+
+
+def forward_cached(P, ids, cache, all_heads=False, offsets=None, heads=1):
+    """Runs ids (Tn,) or (n, Tn) at positions cache.len + offsets (default 0..Tn-1) through the model,
+    appending their keys and values to the cache (a smaller cache.len drops what follows it); a row sees the
+    cache, itself and the earlier rows of lower position. -> head-0 logits (Tn, V) or (n, Tn, V), or with
+    all_heads every head's, (..., n_mtp, V), or the first `heads` heads', (..., heads, V). The layer ops of
+    training; products by _mm, attention over the cache."""
     cfg = P.cfg
     ids = np.asarray(ids, np.int32)
     single = ids.ndim == 1
     ids = ids.reshape(-1, ids.shape[-1])
     n, Tn = ids.shape
-    hd, Cq, Ck = _dims(cfg)
-    Hq, Hkv, G = cfg.n_heads, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads
+    N, C = n * Tn, max(n * Tn, DECODE_COLUMNS)
+    off = np.arange(Tn, dtype=np.int32) if offsets is None else np.asarray(offsets, np.int32)
     start = cache.len
-    end = start + Tn
-    assert end <= cfg.ctx and n == cache.k.shape[1]
-    cos, sin = cache.cos, cache.sin
-    pos = np.tile(np.arange(start, end, dtype=np.int32), n)
-    future = np.tile(np.triu(np.ones((Tn, Tn), bool), 1), (G, 1)) if Tn > 1 else None  # (G*Tn, Tn): t sees ..start+t
-    x = embedding_forward(P["tok_emb"], ids.reshape(-1))                         # (n*Tn, D)
+    assert start + Tn <= cfg.ctx and n == cache.k.shape[1]
+    x = embedding_forward(P["tok_emb"], ids)                                    # (N, D), row-major
+    h, a = np.zeros((cfg.dim, C), x.dtype), np.zeros((cfg.n_heads * cfg.head_dim, C), x.dtype)   # feature-major
+    hN, rstd = h[:, :N].T, np.empty(N, x.dtype)                                 # h's rows, for the norms to write
     for i in range(cfg.n_layers):
         L = f"layers.{i}."
-        h, _ = rmsnorm_forward(x, P[L + "attn_norm"])
-        qkv = _mm_t(h, P.rows(L + "wq", L + "wv"))
-        q = rope_forward(qkv[:, :Cq].reshape(n * Tn, Hq, hd), pos, cos, sin)
-        k = rope_forward(qkv[:, Cq:Cq + Ck].reshape(n * Tn, Hkv, hd), pos, cos, sin)
-        cache.k[i, :, :, start:end] = k.reshape(n, Tn, Hkv, hd).transpose(0, 2, 1, 3)
-        cache.v[i, :, :, start:end] = qkv[:, Cq + Ck:].reshape(n, Tn, Hkv, hd).transpose(0, 2, 1, 3)
-        qg = q.reshape(n, Tn, Hkv, G, hd).transpose(0, 2, 3, 1, 4).reshape(n, Hkv, G * Tn, hd)   # one tall matrix
-        sc = np.matmul(qg, cache.k[i, :, :, :end].swapaxes(-1, -2)) / math.sqrt(hd)            # per kv head
-        if Tn > 1:
-            sc[..., start:][..., future] = -np.inf
-        pr = np.exp(sc - sc.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        a = np.matmul(pr, cache.v[i, :, :, :end]).reshape(n, Hkv, G, Tn, hd)
-        x = x + _mm_t(a.transpose(0, 3, 1, 2, 4).reshape(n * Tn, Cq), P[L + "wo"])
-        h, _ = rmsnorm_forward(x, P[L + "ffn_norm"])
-        x = x + _mm_t(swiglu_forward(_mm_t(h, P.rows(L + "w1", L + "w3"))), P[L + "w2"])
-    cache.len = end
-    hf, _ = rmsnorm_forward(x, P["norm"])
-    if all_heads:
-        logits = _mm_t(hf, P.rows("heads.0", f"heads.{cfg.n_mtp - 1}")).reshape(n, Tn, cfg.n_mtp, cfg.vocab)
-    else:
-        logits = _mm_t(hf, P["heads.0"]).reshape(n, Tn, cfg.vocab)
+        _rmsnorm_fwd(x, P[L + "attn_norm"], hN, rstd)
+        qkv = _mm(P.rows(L + "wq", L + "wv"), h, N)
+        _cache_attention(qkv, cache.k[i], cache.v[i], start, off, cache.cos, cache.sin, a)
+        x += _mm(P[L + "wo"], a, N)[:, :N].T
+        _rmsnorm_fwd(x, P[L + "ffn_norm"], hN, rstd)
+        gu = _mm(P.rows(L + "w1", L + "w3"), h, N)                              # (2F, C): [g; u], flat [g | u]
+        x += _mm(P[L + "w2"], swiglu_forward(gu.reshape(1, -1)).reshape(-1, C), N)[:, :N].T
+    cache.len = start + Tn
+    _rmsnorm_fwd(x, P["norm"], hN, rstd)
+    k = cfg.n_mtp if all_heads else heads
+    logits = np.empty((k, cfg.vocab, C), x.dtype)
+    _mm(P["heads.0"], h, N, logits[0])                                         # head 0 alone, as in plain decoding
+    if k > 1:
+        _mm(P.rows("heads.1", f"heads.{k - 1}"), h, N, logits[1:].reshape(-1, C))
+    logits = logits[:, :, :N].transpose(2, 0, 1).reshape(n, Tn, k, cfg.vocab)
+    logits = logits if all_heads or k > 1 else logits[:, :, 0]
     return logits[0] if single else logits
 
 
 def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached=True, sampling=None,
              speculative=False, stats=None):
     """Yields up to max_new sampled ids (stops at the context). sampling (a pipeline.Sampling) overrides
-    temperature and top_k. speculative: heads 1..n_mtp-1 draft, head 0 verifies (the same distribution
-    of texts; the same ids when greedy); stats (a dict) then gets 'drafted' and 'accepted'.
+    temperature and top_k. speculative: head 0 verifies drafts of the MTP heads (greedy: also of the
+    context, see _generate_speculative), the same distribution of texts, the same ids when greedy; stats
+    (a dict) then gets 'drafted' and 'accepted'.
     cached=False reruns the whole sequence through the training forward at every step: slow, kept to
     check the cache."""
     rng = rng if rng is not None else np.random.default_rng(0)
@@ -713,11 +836,44 @@ def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached
 
 
 def _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats):
-    """pipeline.speculative_decode over this engine's KV cache."""
+    """pipeline.speculative_decode over this engine's KV cache. Greedy, 3 drafts a step (what followed z
+    last time, then head 1's likeliest as guesses after z): with z, the 4 columns a decode step computes
+    anyway, and heads 0 and 1 alone. On the default run's checkpoint a step makes 1.83 tokens (heads 1 and
+    2 drafting a chain: 1.42; head 1's 3 likeliest alone: 1.53); without a repetition penalty the forward
+    hands over ids, not logits."""
     cache = KVCache(P.cfg, 1, P.flat.dtype)
-    yield from pl.speculative_decode(lambda ids: forward_cached(P, ids, cache, all_heads=True),
-                                     lambda n: setattr(cache, "len", n), prompt_ids, max_new, sampling, rng, stats,
-                                     P.cfg.n_mtp, P.cfg.ctx)
+    g = DECODE_COLUMNS - 1 if sampling.temperature <= 0 else 1
+    ids_only = g > 1 and sampling.repetition_penalty == 1.0
+
+    def forward(ids, offsets=None):
+        z = forward_cached(P, ids, cache, g == 1, offsets, heads=2)           # (rows, heads, V)
+        return _guess_ids(z, g) if ids_only else z
+    yield from pl.speculative_decode(forward, cache.keep, prompt_ids, max_new, sampling, rng, stats, P.cfg.n_mtp,
+                                     P.cfg.ctx, g)
+
+
+@njit(**KERNEL_OPTIONS)
+def _guess_ids(z, g):
+    """z (rows, 2, V) logits of heads 0 and 1 -> (rows, 1 + g) ids: head 0's first argmax, then head 1's g
+    largest, largest first (ties: the smaller id first)."""
+    out = np.empty((len(z), 1 + g), np.int64)
+    for r in range(len(z)):
+        z0, z1, top = z[r, 0], z[r, 1], out[r, 1:]
+        m, j = _max(z0, len(z0)), 0
+        while j < len(z0) - 1 and z0[j] != m:          # (NaN logits: the last id)
+            j += 1
+        out[r, 0] = j
+        top[:] = -1
+        low = -np.inf
+        for v in range(len(z1)):                       # each id larger than the g-th so far, inserted
+            if z1[v] > low:
+                i = g - 1
+                while i > 0 and (top[i - 1] < 0 or z1[v] > z1[top[i - 1]]):
+                    top[i] = top[i - 1]
+                    i -= 1
+                top[i] = v
+                low = z1[top[g - 1]] if top[g - 1] >= 0 else -np.inf
+    return out
 
 
 def generate_batch(P, prompt_ids, n, max_new, sampling, rng):
@@ -921,8 +1077,9 @@ def cmd_bench(a):
 
 def bench_sampling(P, tok, batches, n=200, streams=8):
     """Greedy generation of n tokens after a 16-token prompt of the validation text: plain, speculative
-    (the MTP heads draft; the same ids) and `streams` continuations in one batch. With random weights
-    (no --ckpt) the heads agree with head 0 by chance only, so speculation shows its cost, not its gain."""
+    (drafts of the context and of head 1; the same ids) and `streams` continuations in one batch. With
+    random weights (no --ckpt) head 1 agrees with head 0 by chance only, and the text soon repeats one id,
+    which the context's drafts get: neither tells what a trained model gets."""
     prompt = batches.next()[0][0, :16].tolist() if tok is None else \
         tok.encode(pl.default_corpus()[0][20_000:21_000])[:16]
     greedy, runs = pl.Sampling(temperature=0), {}

@@ -207,17 +207,50 @@ def _shift_model(shifts, sharpness):
 
 
 def test_speculative_greedy_equals_plain_greedy():
-    """Drafts kept (head 1 is right), drafts refused (head 2 is wrong) and a random model: the same ids."""
+    """The engine's guesses (from ids, and from logits with a repetition penalty) and a chain of drafts from
+    heads 1 and 2 (the GPU's way), kept (head 1 is right), refused (head 2 is wrong) and on a random model:
+    plain decoding's ids."""
+    def chain(P, prompt, n, stats):
+        cache = ne.KVCache(P.cfg, 1, P.flat.dtype)
+        return list(pl.speculative_decode(lambda ids: ne.forward_cached(P, ids, cache, all_heads=True), cache.keep,
+                                          prompt, n, pl.Sampling(0), None, stats, P.cfg.n_mtp, P.cfg.ctx))
     for P in (_shift_model([1, 2, 5], 20.0), pl.Params.init(pl.CONFIGS["tiny"], 3)):
         for prompt, n in (([3, 4], 30), ([1], 61), (list(range(40)) + [7] * 20, 10)):   # the last two hit the context
-            stats = {}
-            plain = list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0)))
-            spec = list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0), speculative=True, stats=stats))
-            assert spec == plain and len(plain) == min(n, P.cfg.ctx - len(prompt))
+            for sampling in (pl.Sampling(temperature=0), pl.Sampling(temperature=0, repetition_penalty=1.3)):
+                plain = list(ne.generate(P, prompt, n, sampling=sampling))
+                assert list(ne.generate(P, prompt, n, sampling=sampling, speculative=True)) == plain
+                assert len(plain) == min(n, P.cfg.ctx - len(prompt))
+            assert chain(P, prompt, n, {}) == list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0)))
     P = _shift_model([1, 2, 5], 20.0)
-    stats = {}
-    list(ne.generate(P, [3], 40, sampling=pl.Sampling(temperature=0), speculative=True, stats=stats))
-    assert 0.4 < stats["accepted"] / stats["drafted"] < 0.6              # head 1 always right, head 2 never
+    drafts, guesses = {}, {}
+    chain(P, [3], 40, drafts)
+    list(ne.generate(P, [3], 40, sampling=pl.Sampling(temperature=0), speculative=True, stats=guesses))
+    assert 0.4 < drafts["accepted"] / drafts["drafted"] < 0.6            # head 1 always right, head 2 never
+    assert guesses["accepted"] == guesses["drafted"] > 0                  # one of head 1's is always right
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_decode_rows_are_computed_as_alone(small, monkeypatch):
+    """A row of a decode step gets the logits, to the bit, that it gets in a step of its own after the same
+    tokens: drafts in a chain, guesses at one position, both, a plain step; so greedy speculation cannot
+    change an id. small=False: every product as a larger model's, one matrix-vector product per row."""
+    if not small:
+        monkeypatch.setattr(ne, "_SMALL", 0)
+    P = pl.Params.init(pl.CONFIGS["small"], 4)
+    prompt, rows = list(range(30, 50)), [7, 9, 11, 13]
+
+    def alone(history, token):                       # heads 0 and 1 at token, one step each after the prompt
+        cache = ne.KVCache(P.cfg)
+        for ids in [prompt] + [[r] for r in history + [token]]:
+            out = ne.forward_cached(P, ids, cache, heads=2)
+        return out[-1]
+    chain = [alone(rows[:t], rows[t]) for t in range(len(rows))]
+    guesses = chain[:1] + [alone(rows[:1], r) for r in rows[1:]]             # each after z = rows[0]
+    for offsets, want in (([0, 1, 2, 3], chain), ([0, 1, 1, 1], guesses), ([0, 1, 2, 1], chain[:3] + guesses[3:])):
+        cache = ne.KVCache(P.cfg)
+        ne.forward_cached(P, prompt, cache)
+        got = ne.forward_cached(P, rows, cache, offsets=offsets, heads=2)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), offsets
 
 
 def test_speculative_sampling_has_plain_sampling_distribution():

@@ -213,15 +213,21 @@ def test_a_head_without_targets_counts_zero():
     assert abs(obj - objective) <= 1e-10 and got[1:] == [0.0, 0.0] and abs(got[0] - ces[0]) <= 1e-10
 
 
-def test_sampling_forward_with_its_cache_matches_the_reference():
-    W = random_weights(TINY, 5)
-    P = to_params(W, TINY)
-    ids = list(np.random.default_rng(6).integers(0, TINY.vocab, 20))
-    cache = ne.KVCache(TINY, dtype=np.float64)
-    assert np.abs(ne.forward_cached(P, ids[:15], cache) - ref_logits(W, TINY, np.array([ids[:15]]))[0, 0]).max() <= 1e-10
-    for t in range(15, 20):                                    # one token at a time, after the prompt
+@pytest.mark.parametrize("name", ["tiny", "other", "weighted"])
+def test_sampling_forward_with_its_cache_matches_the_reference(name):
+    cfg = CASES[name][0]
+    W = random_weights(cfg, 5)
+    P = to_params(W, cfg)
+    ids = list(np.random.default_rng(6).integers(0, cfg.vocab, 10))
+    cache = ne.KVCache(cfg, dtype=np.float64)
+    assert np.abs(ne.forward_cached(P, ids[:5], cache) - ref_logits(W, cfg, np.array([ids[:5]]))[0, 0]).max() <= 1e-10
+    for t in range(5, 10):                                     # one token at a time, after the prompt
         got = ne.forward_cached(P, ids[t:t + 1], cache)[-1]
-        assert np.abs(got - ref_logits(W, TINY, np.array([ids[:t + 1]]))[0, 0, -1]).max() <= 1e-10
+        assert np.abs(got - ref_logits(W, cfg, np.array([ids[:t + 1]]))[0, 0, -1]).max() <= 1e-10
+    z, guesses = 3, [8, 1, 4]                                  # guesses at one position see z, not each other
+    got = ne.forward_cached(P, [z] + guesses, cache, offsets=[0, 1, 1, 1])
+    for row, tail in zip(got, [[z]] + [[z, g] for g in guesses]):
+        assert np.abs(row - ref_logits(W, cfg, np.array([ids + tail]))[0, 0, -1]).max() <= 1e-10
 
 
 def ref_greedy(W, cfg, ids, n):
