@@ -1374,16 +1374,18 @@ def sampling_of(a):
     return Sampling(a.temperature, a.top_k, getattr(a, "top_p", 1.0), getattr(a, "repetition_penalty", 1.0))
 
 
-def speculative_for(flag, sampling):
-    """--speculative as given, or by default (None) on for greedy decoding alone: where the heads' drafts are
-    kept most often, and where it paid on the GPU."""
-    return flag if flag is not None else sampling.temperature <= 0
+def speculative_for(flag, sampling, pays=True):
+    """--speculative as given, or by default (None) on for greedy decoding alone, where the drafts are kept
+    most often, and where it pays on this engine and model (pays)."""
+    return flag if flag is not None else sampling.temperature <= 0 and pays
 
 
-def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None):
+def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None,
+                     speculative_help=None):
     """The flags of sample, chat and serve; generation=True adds top-p, the repetition penalty and speculative
-    decoding (speculative: its default, False, True, or None for speculative_for's rule), for an engine that
-    has them. tokens_help and seed_help: what --tokens and --seed mean where they mean something else (serve)."""
+    decoding (speculative: its default, False, True, or None for speculative_for's rule, said by
+    speculative_help if given), for an engine that has them. tokens_help and seed_help: what --tokens and
+    --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
     p.add_argument("--tokens", type=int, default=200, help=tokens_help or "most tokens to generate (default 200; "
                    "generation stops when the context is full; a longer prompt keeps its last tokens, with a notice)")
@@ -1400,7 +1402,8 @@ def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, 
                    help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
     default = {True: "on", False: "off: slower on this engine so far",
                None: "on when greedy, where it doubles the speed of a trained model; off when sampling, where fewer "
-                     "drafts are kept and it costs more than it saves"}[speculative]
+                     "drafts are kept and it costs more than it saves"}[speculative] if speculative_help is None \
+        else speculative_help
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=speculative,
                    help="let the MTP heads draft tokens that head 0 verifies in one forward: the same text, distributed "
                         f"exactly as without (default {default})")

@@ -318,8 +318,11 @@ def test_sample_cli_samples_and_speed_line(one_step_ckpt):
     assert r.returncode == 0 and r.stdout.count("--- sample ") == 3 and "in 3 streams" in r.stderr, r.stderr
     r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--no-speculative")
     assert r.returncode == 0 and "tokens/s, speculative off]" in r.stderr, r.stderr
-    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--temperature", 0, "--speculative")
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--temperature", 0)
+    assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr            # greedy, small: on by default
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--speculative")
     assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr
+    assert [ne.speculation_pays(pl.CONFIGS[n]) for n in ("tiny", "small", "medium", "big")] == [True, True, False, False]
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--top-p", 0), "--top-p 0")
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
