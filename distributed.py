@@ -493,7 +493,7 @@ class ZeRO:
     same order on every rank; the compute stream waits for it where it needs its results."""
 
     def __init__(self, engine, group, cfg, accum=1):
-        from cupy.cuda import nccl
+        nccl = group.nccl
         self.nc, self.cp, self.nccl, self.group = engine, engine.cp, nccl, group
         self.comm, self.rank, self.world, self.accum, self.micro = group.comm, group.rank, group.world, accum, 0
         self.avg = getattr(nccl, "NCCL_AVG", 4)       # ncclAvg (NCCL 2.10): older CuPy lacks the constant

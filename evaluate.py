@@ -199,14 +199,7 @@ def record_eval(ckpt, result):
 
 def read_evals(folder):
     path = os.path.join(folder, EVALS)
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(l) for l in f if l.strip()]
-
-
-# ----------------------------------------------------------------------------------------------------
-# report card
+    return [r for _, r in pl.read_jsonl(path, "eval log")] if os.path.isfile(path) else []
 
 # ----------------------------------------------------------------------------------------------------
 # the eval and plot modes of both engines

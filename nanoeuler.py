@@ -651,7 +651,7 @@ class KVCache:
     def keep(self, n, src=None):
         """Keeps the first n positions; src: a later position whose keys and values become the n-th's."""
         if src is not None:
-            _swap_slots(self.k.reshape(-1, *self.k.shape[-2:]), self.v.reshape(-1, *self.v.shape[-2:]), n - 1, src)
+            self.k[..., n - 1], self.v[..., n - 1] = self.k[..., src], self.v[..., src]
         self.len = n
 
 
@@ -768,12 +768,12 @@ def _values2(p, VT, o, E):
         o[1, i], o[1, i + 1], o[1, i + 2], o[1, i + 3] = b0, b1, b2, b3
 
 
-def forward_cached(P, ids, cache, all_heads=False, offsets=None, heads=1):
+def forward_cached(P, ids, cache, offsets=None, heads=None):
     """Runs ids (Tn,) or (n, Tn) at positions cache.len + offsets (default 0..Tn-1) through the model,
     appending their keys and values to the cache (a smaller cache.len drops what follows it); a row sees the
     cache, itself and the earlier rows of lower position. -> head-0 logits (Tn, V) or (n, Tn, V), or with
-    all_heads every head's, (..., n_mtp, V), or the first `heads` heads', (..., heads, V). The layer ops of
-    training; products by _mm, attention over the cache."""
+    heads = k the first k heads', (..., k, V). The layer ops of training; products by _mm, attention over
+    the cache."""
     cfg = P.cfg
     ids = np.asarray(ids, np.int32)
     single = ids.ndim == 1
@@ -797,13 +797,13 @@ def forward_cached(P, ids, cache, all_heads=False, offsets=None, heads=1):
         x += _mm(P[L + "w2"], swiglu_forward(gu.reshape(1, -1)).reshape(-1, C), N)[:, :N].T
     cache.len = start + Tn
     _rmsnorm_fwd(x, P["norm"], hN, rstd)
-    k = cfg.n_mtp if all_heads else heads
+    k = heads or 1
     logits = np.empty((k, cfg.vocab, C), x.dtype)
     _mm(P["heads.0"], h, N, logits[0])                                         # head 0 alone, as in plain decoding
     if k > 1:
         _mm(P.rows("heads.1", f"heads.{k - 1}"), h, N, logits[1:].reshape(-1, C))
     logits = logits[:, :, :N].transpose(2, 0, 1).reshape(n, Tn, k, cfg.vocab)
-    logits = logits if all_heads or k > 1 else logits[:, :, 0]
+    logits = logits if heads else logits[:, :, 0]
     return logits[0] if single else logits
 
 
@@ -846,7 +846,7 @@ def _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats):
     ids_only = g > 1 and sampling.repetition_penalty == 1.0
 
     def forward(ids, offsets=None):
-        z = forward_cached(P, ids, cache, g == 1, offsets, heads=2)           # (rows, heads, V)
+        z = forward_cached(P, ids, cache, offsets, P.cfg.n_mtp if g == 1 else 2)  # (rows, heads, V)
         return _guess_ids(z, g) if ids_only else z
     yield from pl.speculative_decode(forward, cache.keep, prompt_ids, max_new, sampling, rng, stats, P.cfg.n_mtp,
                                      P.cfg.ctx, g)
@@ -1140,7 +1140,7 @@ def parser():
                         speculative_help=SPECULATIVE_HELP)
     v = sub.add_parser("serve", help="an OpenAI-compatible API and a chat page in the browser (serve.py)",
                        description=serve.DESCRIPTION)
-    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", generation=True)
+    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz")
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
                        description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
     pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)

@@ -48,6 +48,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+import evaluate
 import pipeline as pl
 from pipeline import UserError
 
@@ -723,20 +724,21 @@ template <typename G> __device__ void xent_row(const float* row, G* drow, int tg
 // fp32: every row of logits (N, nmtp*V), the gradient in place
 extern "C" __global__ void __launch_bounds__(256) xent(float* __restrict__ logits, const int* __restrict__ targets,
                                                        const float* __restrict__ scales, float* __restrict__ rowloss,
-                                                       int N, int T, int V, int nmtp, int want_grad) {
+                                                       int N, int T, int V, int nmtp, int sstride, int want_grad) {
     int n = blockIdx.x, k = blockIdx.y, t = n % T;
     float* row = logits + ((i64)n * nmtp + k) * V;
-    xent_row(row, row, (t + k < T) ? targets[n + k] : -1, scales[k], rowloss + (i64)k * N + n, V, want_grad);
+    xent_row(row, row, (t + k < T) ? targets[n + k] : -1, scales[(n / T) * sstride + k], rowloss + (i64)k * N + n, V,
+             want_grad);
 }
 // bf16: the chunk of rows n0 .. n0 + gridDim.x, logits (rows, nmtp*V) fp32 made by one GEMM from the bf16 hf
 // and heads; the gradient as bf16 into dl; the chunk's rows sit at rowloss[k, n0 + r]
 extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* __restrict__ logits, bf16* __restrict__ dl,
                                       const int* __restrict__ targets, const float* __restrict__ scales,
                                       float* __restrict__ rowloss, int n0, int N, int T, int V, int nmtp,
-                                      int want_grad) {
+                                      int sstride, int want_grad) {
     int r = blockIdx.x, k = blockIdx.y, n = n0 + r, t = n % T;
     xent_row(logits + ((i64)r * nmtp + k) * V, dl + ((i64)r * nmtp + k) * V, (t + k < T) ? targets[n + k] : -1,
-             scales[k], rowloss + (i64)k * N + n, V, want_grad);
+             scales[(n / T) * sstride + k], rowloss + (i64)k * N + n, V, want_grad);
 }
 // ce[k] = sum_n rowloss[k, n] * inv_count[k]; one block per head, fixed order
 extern "C" __global__ void loss_reduce(const float* __restrict__ rowloss, const float* __restrict__ inv_count,
@@ -750,19 +752,20 @@ extern "C" __global__ void loss_reduce(const float* __restrict__ rowloss, const 
 """
 
 
-def xent(logits, targets, scales, rowloss, T, nmtp, want_grad):
+def xent(logits, targets, scales, rowloss, T, nmtp, want_grad, per_seq=False):
+    """scales (nmtp,): each head's gradient scale; per_seq: (sequences, nmtp), a row of them per sequence."""
     N = logits.shape[0]
     V = logits.shape[1] // nmtp
     _k("xent")((N, nmtp), (256,), (logits, targets, scales, rowloss, I32(N), I32(T), I32(V), I32(nmtp),
-                                   I32(want_grad)))
+                                   I32(nmtp if per_seq else 0), I32(want_grad)))
 
 
-def xent_chunk(logits, dl, targets, scales, rowloss, n0, T, nmtp, want_grad):
-    """logits (rows, nmtp*V) fp32 of rows n0.., dl the same shape bf16 (written with want_grad)."""
+def xent_chunk(logits, dl, targets, scales, rowloss, n0, T, nmtp, want_grad, per_seq=False):
+    """logits (rows, nmtp*V) fp32 of rows n0.., dl the same shape bf16 (written with want_grad); scales as xent's."""
     rows = logits.shape[0]
     V = logits.shape[1] // nmtp
     _k("xent_chunk")((rows, nmtp), (256,), (logits, dl, targets, scales, rowloss, I32(n0), I32(rowloss.shape[1]),
-                                            I32(T), I32(V), I32(nmtp), I32(want_grad)))
+                                            I32(T), I32(V), I32(nmtp), I32(nmtp if per_seq else 0), I32(want_grad)))
 
 
 def loss_reduce(rowloss, inv_count, ce):
@@ -1719,8 +1722,30 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
 
 INFER_SRC = r"""
-// (cuBLAS path) RoPE on the q and k heads of each new row (in place) and the row's k and v into the cache: a thread per
-// (row, head, pair i / i + hd/2); heads Hq.. Hq+Hkv-1 are k, the rest v
+// The pair (i, i + hd/2) of head hh of a new row of stream b at position p: rotated if a q or k head, written
+// back to the row r (its q|k|v), and appended to the cache if a k or v head (heads Hq.. Hq+Hkv-1 are k, the
+// rest v). rope_store and matvec's ROPE epilogue.
+__device__ __forceinline__ void rope_append(float a, float c, float* __restrict__ r, int hh, int i, int b, int p,
+                                            const float* __restrict__ cosv, const float* __restrict__ sinv,
+                                            float* __restrict__ kc, float* __restrict__ vc, int Hq, int Hkv, int hd,
+                                            int ctx) {
+    const int half = hd / 2;
+    if (hh < Hq + Hkv) {
+        const float cs = cosv[p * half + i], sn = sinv[p * half + i];
+        const float ra = a * cs - c * sn, rc = c * cs + a * sn;
+        a = ra;
+        c = rc;
+    }
+    r[hh * hd + i] = a;
+    r[hh * hd + i + half] = c;
+    if (hh >= Hq) {
+        const int j = hh < Hq + Hkv ? hh - Hq : hh - Hq - Hkv;
+        float* cache = (hh < Hq + Hkv ? kc : vc) + (((i64)b * Hkv + j) * ctx + p) * hd;
+        cache[i] = a;
+        cache[i + half] = c;
+    }
+}
+// (cuBLAS path) rope_append on every pair of each new row, in place: a thread per (row, head, pair)
 extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
                                       const float* __restrict__ cosv, const float* __restrict__ sinv,
                                       const int* __restrict__ state, int R, int rows, int Hq, int Hkv, int hd,
@@ -1728,23 +1753,10 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
     int half = hd / 2, H = Hq + 2 * Hkv;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= R * H * half) return;
-    int i = idx % half, hh = (idx / half) % H, n = idx / (half * H), b = n / rows, p = state[0] + n % rows;
-    float* r = qkv + (i64)n * H * hd + hh * hd;
-    float a = r[i], c = r[i + half];
-    if (hh < Hq + Hkv) {
-        float cs = cosv[p * half + i], sn = sinv[p * half + i];
-        float ra = a * cs - c * sn, rc = c * cs + a * sn;
-        r[i] = ra;
-        r[i + half] = rc;
-        a = ra;
-        c = rc;
-    }
-    if (hh >= Hq) {
-        int j = hh < Hq + Hkv ? hh - Hq : hh - Hq - Hkv;
-        float* cache = (hh < Hq + Hkv ? kc : vc) + (((i64)b * Hkv + j) * ctx + p) * hd;
-        cache[i] = a;
-        cache[i + half] = c;
-    }
+    int i = idx % half, hh = (idx / half) % H, n = idx / (half * H);
+    float* r = qkv + (i64)n * H * hd;
+    rope_append(r[hh * hd + i], r[hh * hd + i + half], r, hh, i, n / rows, state[0] + n % rows, cosv, sinv, kc, vc,
+                Hq, Hkv, hd, ctx);
 }
 // One block (256 threads) per (row, kv head, stream) over keys 0 .. pos + t, for the G <= 4 query heads that
 // share the kv head (each key and value is loaded once for all of them): a thread per key for the G
@@ -1871,23 +1883,9 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
         if (EPI == OUT) { o[a] = s1; o[c] = s2; }
         if (EPI == ADD) { o[a] += s1; o[c] += s2; }
         if (EPI == GLU) o[u] = s1 / (1.f + expf(-s1)) * s2;
-        if (EPI == ROPE) {
-            const int h = u / half, i = u % half, b = r / rows, p = state[0] + r % rows;
-            if (h < Hq + Hkv) {
-                const float cs = cosv[p * half + i], sn = sinv[p * half + i];
-                const float ra = s1 * cs - s2 * sn, rc = s2 * cs + s1 * sn;
-                s1 = ra;
-                s2 = rc;
-            }
-            o[a] = s1;
-            o[c] = s2;
-            if (h >= Hq) {
-                const int jh = h < Hq + Hkv ? h - Hq : h - Hq - Hkv;
-                float* cache = (h < Hq + Hkv ? kc : vc) + (((i64)b * Hkv + jh) * ctx + p) * hd;
-                cache[i] = s1;
-                cache[i + half] = s2;
-            }
-        }
+        if (EPI == ROPE)
+            rope_append(s1, s2, o, u / half, u % half, r / rows, state[0] + r % rows, cosv, sinv, kc, vc, Hq, Hkv, hd,
+                        ctx);
     };
     for (int r0 = 0; r0 < R; r0 += 8) {
         float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -2109,10 +2107,10 @@ _blas = None        # [libcublas through ctypes, its workspace], or [None] where
 
 
 def sgemm_nt(C, A, W, beta=0.0, tf32=False):
-    """C (M, N) = A (M, K) @ W (N, K).T + beta * C by cuBLAS's sgemm (tf32: gemmEx on TF32 tensor cores,
-    fp32 accumulation) called through ctypes, so that a CUDA
-    graph can capture it: CuPy's binding refuses any cuBLAS call during a capture, cuBLAS itself does not
-    (given a workspace of its own, set here, as graphs need). Falls back to mm where the library is not found."""
+    """C (M, N) = A (M, K) @ W (N, K).T + beta * C in fp32 (tf32: on TF32 tensor cores, fp32 accumulation) by
+    cuBLAS's gemmEx called through ctypes, so that a CUDA graph can capture it: CuPy's binding refuses any
+    cuBLAS call during a capture, cuBLAS itself does not (given a workspace of its own, set here, as graphs
+    need). Falls back to mm where the library is not found."""
     global _blas
     if _blas is None:
         import ctypes
@@ -2124,8 +2122,6 @@ def sgemm_nt(C, A, W, beta=0.0, tf32=False):
             work = cp.empty(32 << 20, np.uint8)
             if lib.cublasSetWorkspace_v2(ctypes.c_void_p(_handle), ctypes.c_void_p(work.data.ptr),
                                          ctypes.c_size_t(work.size)) == 0:
-                lib.cublasSgemm_v2.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p] * 2 + \
-                    [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                 i, v = ctypes.c_int, ctypes.c_void_p
                 lib.cublasGemmEx.argtypes = [v, i, i, i, i, i, v, v, i, i, v, i, i, v, v, i, i, i, i]
                 _blas = [lib, work]
@@ -2134,15 +2130,11 @@ def sgemm_nt(C, A, W, beta=0.0, tf32=False):
     (M, K), N = A.shape, W.shape[0]
     assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
     assert C.dtype == A.dtype == W.dtype == np.float32
-    if tf32:
-        err = _blas[0].cublasGemmEx(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, CUDA_R_32F, K, A.data.ptr,
-                                    CUDA_R_32F, K, _ptr(beta), C.data.ptr, CUDA_R_32F, N, CUBLAS_COMPUTE_32F_FAST_TF32,
-                                    CUBLAS_GEMM_DEFAULT)
-    else:
-        err = _blas[0].cublasSgemm_v2(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, K, A.data.ptr, K, _ptr(beta),
-                                      C.data.ptr, N)
+    err = _blas[0].cublasGemmEx(_handle, 1, 0, N, M, K, _ptr(1.0), W.data.ptr, CUDA_R_32F, K, A.data.ptr, CUDA_R_32F,
+                                K, _ptr(beta), C.data.ptr, CUDA_R_32F, N,
+                                CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     if err:
-        raise RuntimeError(f"cublasSgemm_v2 failed with status {err}")
+        raise RuntimeError(f"cublasGemmEx failed with status {err}")
 
 
 def matvec_parts(U, K):
@@ -2959,7 +2951,6 @@ def train(a, defaults, resume, group=None):
     pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
-    import evaluate
     report = evaluate.write_report(a.out, dict(args, batch=world * A * B), P.cfg, *val_fn(), sample, engine="GPU",
                                    peak_tflops=PEAK_TFLOPS * world)
     print(f"report: {report}")
@@ -3289,7 +3280,7 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", generation=True, speculative=None)
+    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", speculative=None)
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
@@ -3317,11 +3308,10 @@ class Head0:
         self.lg = cp.empty((self.rows, V), np.float32)           # head 0's logits of a chunk
         self.one = cp.ones(1, np.float32)
         if m.train and m.bf:
-            self.dl = cp.empty((m.T, V), BF)                      # d loss / d logits of one sequence
+            self.dl = cp.empty((self.rows, V), BF)                # d loss / d logits of a chunk
             self.scale = cp.empty(m.B, np.float32)                # c_b
         elif m.train:
-            self.scale = cp.empty((m.B, m.cfg.n_mtp), np.float32)     # xent's head scales (c_b, 0, ..)
-            self.rl = cp.empty((m.cfg.n_mtp, m.T), np.float32)        # and its losses, unused
+            self.scale = cp.empty((m.B, m.cfg.n_mtp), np.float32)     # xent's head scales of each row (c_b, 0, ..)
 
     def _loss(self):
         """model.rowloss[0] = -log p(target) under head 0 at every position, 0 where the target is -1. Per
@@ -3350,21 +3340,20 @@ class Head0:
         if m.bf:                                                  # the fused loss head's work, head 0 alone
             self.scale[...] = c
             W, G0 = m.Pb["heads.0"], m.G["heads.0"]
-            for b in range(m.B):
-                rows = slice(b * T, (b + 1) * T)
-                mm(self.lg[:T], m.hf[rows], W, tb=True)
-                xent_chunk(self.lg[:T], self.dl, m.tgt, self.scale[b:b + 1], m.rowloss, b * T, T, 1, True)
-                mm(G0, self.dl, m.hf[rows], ta=True, beta=1.0 if b else 0.0)   # dHead0 (+)= dl^T hf
-                mm(m.dh[rows], self.dl, W)                                      # its rows of dhf
+            for n0 in range(0, m.N, self.rows):                   # chunks of whole sequences, as _loss
+                n1 = min(m.N, n0 + self.rows)
+                lg, dl = self.lg[:n1 - n0], self.dl[:n1 - n0]
+                mm(lg, m.hf[n0:n1], W, tb=True)
+                xent_chunk(lg, dl, m.tgt, self.scale, m.rowloss, n0, T, 1, True, per_seq=True)
+                mm(G0, dl, m.hf[n0:n1], ta=True, beta=1.0 if n0 else 0.0)   # dHead0 (+)= dl^T hf
+                mm(m.dh[n0:n1], dl, W)                                      # its rows of dhf
             if K > 1:
                 m.G.rows("heads.1", f"heads.{K - 1}").fill(0)
         else:                                                     # dlogits of every head in place, as forward
             self.scale.fill(0)
             self.scale[:, 0] = c
             mm(m.logits, m.hf, m.P.rows("heads.0", f"heads.{K - 1}"), tb=True)
-            for b in range(m.B):
-                rows = slice(b * T, (b + 1) * T)
-                xent(m.logits[rows], m.tgt[rows], self.scale[b], self.rl, T, K, True)
+            xent(m.logits, m.tgt, self.scale, m.rowloss, T, K, True, per_seq=True)
         m.backward()
 
 
@@ -3488,7 +3477,6 @@ def gpu_logprobs(P, B, T, precision, attn):
 def gpu_hellaswag(tok, items, P, precision, attn, warn=None):
     """evaluate.hellaswag, every (context, ending) of every item scored first in batches of (B, T): T the
     longest sequence rounded up to 64 (at most the context), B = EVAL_TOKENS // T."""
-    import evaluate
     seqs = [s for item in items for s in evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)[0]]
     T = min(P.cfg.ctx, -(-max(map(len, seqs)) // 64) * 64)
     scores = gpu_logprobs(P, min(len(seqs), max(1, EVAL_TOKENS // T)), T, precision, attn)(seqs)
@@ -3503,7 +3491,6 @@ def gpu_hellaswag(tok, items, P, precision, attn, warn=None):
 
 
 def cmd_eval(argv):
-    import evaluate
     p = pl.Parser(prog="nanoeuler_cuda.py eval", description=evaluate.EVAL_HELP + "; batched on the GPU")
     evaluate.add_eval_flags(p, "out/gpu/ckpt.npz")
     add_model_flags(p)
@@ -3520,7 +3507,6 @@ def cmd_eval(argv):
 
 
 def cmd_plot(argv):
-    import evaluate
     p = pl.Parser(prog="nanoeuler_cuda.py plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
@@ -3780,7 +3766,7 @@ def selftest_generation(rng, randn, tol):
         cache = ne.KVCache(P.cfg, 1, np.float64)
         for ids, what in (([5, 9, 2, 7, 1], "a 5-token prompt's last row"), ([3, 8, 4], "a 3-row step")):
             got = smp.forward(ids)                       # (rows, n_mtp, V)
-            want = ne.forward_cached(P64, ids, cache, all_heads=True)[-len(got):]
+            want = ne.forward_cached(P64, ids, cache, heads=P.cfg.n_mtp)[-len(got):]
             R.append((f"decode step, {name}: every head's logits, {what}", rel_err(got, want), tol))
     V, ns, steps = 300, 4, 3
     logits = (randn(steps, ns, V) * 3).astype(np.float32)

@@ -554,10 +554,8 @@ def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, 
     greedy = sampling.temperature <= 0
     wide = greedy and guesses > 1
 
-    def first(row, history):                    # head 0's id: greedy from logits or an argmax, else drawn
-        if not greedy:
-            return sampling.sample(row, history, rng)
-        return int(row) if argmaxes else sampling.greedy(row, history)
+    def first(row, history):                    # head 0's id: an argmax the forward made, else by the rule
+        return int(row) if argmaxes else sampling.sample(row, history, rng)
     ids = list(prompt_ids)
     heads = forward(ids)[-1]                                               # (n_mtp, ...) at the last position
     argmaxes = np.ndim(heads[0]) == 0                                      # forward hands over ids
@@ -611,8 +609,10 @@ def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, 
                 else:
                     p, q = sampling.probs(out[n_ok, 0], ids), qs[i]
                     kept = rng.random() < p[d] / q[d]
-                    residual = np.maximum(p - q, 0.0)
-                    z = d if kept else draw(residual if residual.sum() > 0 else p, rng)
+                    z = d
+                    if not kept:
+                        residual = np.maximum(p - q, 0.0)
+                        z = draw(residual if residual.sum() > 0 else p, rng)
                 n_ok += kept
                 ids.append(z)
                 produced += 1
@@ -1383,7 +1383,7 @@ def speculative_for(flag, sampling, pays=True):
 def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None,
                      speculative_help=None):
     """The flags of sample, chat and serve; generation=True adds top-p, the repetition penalty and speculative
-    decoding (speculative: its default, False, True, or None for speculative_for's rule, said by
+    decoding (speculative: its default, False, or None for speculative_for's rule, said by
     speculative_help if given), for an engine that has them. tokens_help and seed_help: what --tokens and
     --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
@@ -1400,10 +1400,9 @@ def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, 
                    help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
     p.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
                    help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
-    default = {True: "on", False: "off: slower on this engine so far",
+    default = speculative_help or {False: "off: slower on this engine so far",
                None: "on when greedy, where it doubles the speed of a trained model; off when sampling, where fewer "
-                     "drafts are kept and it costs more than it saves"}[speculative] if speculative_help is None \
-        else speculative_help
+                     "drafts are kept and it costs more than it saves"}[speculative]
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=speculative,
                    help="let the MTP heads draft tokens that head 0 verifies in one forward: the same text, distributed "
                         f"exactly as without (default {default})")

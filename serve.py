@@ -36,7 +36,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -526,9 +526,9 @@ DESCRIPTION = ("serve a checkpoint over an OpenAI-compatible API (/v1/chat/compl
                "without a seed draw theirs from a generator seeded by --seed")
 
 
-def add_serve_flags(p, ckpt, generation, speculative=False):
+def add_serve_flags(p, ckpt, speculative=False):
     """The serve mode's flags (both engines): the sampling flags of sample and chat, then where to listen."""
-    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, generation=generation, speculative=speculative,
+    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, generation=True, speculative=speculative,
                         tokens_help="max_tokens of a request that gives none (default 200; at most the context - 1)",
                         seed_help="seeds the generator of the seeds of requests that give none (default 0)")
     p.add_argument("--host", default="127.0.0.1",
@@ -545,8 +545,7 @@ def make_server(a, tok, cfg, chat, generate, quiet=False):
     if not 0 <= a.port <= 65535:
         raise pl.UserError(f"--port {a.port}: give a port in 0..65535 (0: any free one)")
     name = a.name or f"nanoeuler-{pl.config_name(cfg)}-{'chat' if chat else 'base'}"
-    defaults = dict(max_tokens=a.tokens, temperature=a.temperature, top_k=a.top_k,
-                    top_p=getattr(a, "top_p", 1.0), repetition_penalty=getattr(a, "repetition_penalty", 1.0))
+    defaults = dict(asdict(pl.sampling_of(a)), max_tokens=a.tokens)
     requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed)
     if a.log:
         try:

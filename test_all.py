@@ -212,7 +212,7 @@ def test_speculative_greedy_equals_plain_greedy():
     plain decoding's ids."""
     def chain(P, prompt, n, stats):
         cache = ne.KVCache(P.cfg, 1, P.flat.dtype)
-        return list(pl.speculative_decode(lambda ids: ne.forward_cached(P, ids, cache, all_heads=True), cache.keep,
+        return list(pl.speculative_decode(lambda ids: ne.forward_cached(P, ids, cache, heads=P.cfg.n_mtp), cache.keep,
                                           prompt, n, pl.Sampling(0), None, stats, P.cfg.n_mtp, P.cfg.ctx))
     for P in (_shift_model([1, 2, 5], 20.0), pl.Params.init(pl.CONFIGS["tiny"], 3)):
         for prompt, n in (([3, 4], 30), ([1], 61), (list(range(40)) + [7] * 20, 10)):   # the last two hit the context
@@ -868,10 +868,10 @@ def test_checkpoints_cross_engines(tmp_path):
     ids = tok.encode("It was the best of times")
     sampler = nc.Sampler(P)
     cache = ne.KVCache(P.cfg)
-    ref = ne.forward_cached(P, ids[:-1], cache, all_heads=True)[-1]
+    ref = ne.forward_cached(P, ids[:-1], cache, heads=P.cfg.n_mtp)[-1]
     got = sampler.forward(ids[:-1])[-1]                                   # the prefill (flash attention)
     assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
-    ref, got = ne.forward_cached(P, ids[-1:], cache, all_heads=True), sampler.forward(ids[-1:])   # a decode step
+    ref, got = ne.forward_cached(P, ids[-1:], cache, heads=P.cfg.n_mtp), sampler.forward(ids[-1:])   # a decode step
     assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
 
 

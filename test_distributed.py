@@ -17,6 +17,7 @@ import pytest
 
 import distributed as dist
 import pipeline as pl
+from conftest import GPUS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -270,15 +271,7 @@ def test_cpu_engine_grad_accum_is_the_larger_batch(tmp_path):
 # ====================================================================================================
 # two GPUs
 
-def _gpus():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
-needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs CuPy and two NVIDIA GPUs")
+needs_two = pytest.mark.skipif(GPUS < 2, reason="needs CuPy and two NVIDIA GPUs")
 FP32 = ["small", "--precision", "fp32", "--batch", 4, "--seq", 128, "--steps", 50, "--warmup", 5, "--lr", "3e-3",
         "--log-every", 1, "--eval-every", 1000, "--ckpt-every", 1000]
 
@@ -405,7 +398,7 @@ def test_a_rank_killed_mid_run_stops_the_others(tmp_path):
 @pytest.mark.gpu
 @needs_two
 def test_gpu_faults_give_one_error_line(tmp_path):
-    have = _gpus()
+    have = GPUS
     r = run_gpu("train", "small", "--gpus", have + 1, "--out", tmp_path)
     assert one_error_line(r, f"has {have} GPUs"), r.stderr
     with socket.socket() as s:

@@ -120,19 +120,17 @@ def test_train_writes_report_and_plot(tmp_path):
     from matplotlib import image
     data = tmp_path / "text.txt"
     data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
-    env = dict(os.environ, NANOEULER_CACHE=str(tmp_path / "cache"))
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "nanoeuler.py", "train", "tiny", "--steps", "4", "--batch", "2", "--seq", "16",
-                        "--eval-every", "2", "--sample-every", "0", "--data", str(data), "--out", str(run)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = run_engine("nanoeuler.py", "train", "tiny", "--steps", 4, "--batch", 2, "--seq", 16, "--eval-every", 2,
+                   "--sample-every", 0, "--data", data, "--out", run, env={"NANOEULER_CACHE": str(tmp_path / "cache")},
+                   timeout=120)
     assert r.returncode == 0, r.stderr
     report = (run / "report.md").read_text()
     for want in ("parameters: 75,488", "tokens seen: 128", "GFLOP/s", "final validation loss", "## Sample",
                  "![loss curves](loss.png)"):
         assert want in report, want
     png = tmp_path / "plot.png"
-    r = subprocess.run([sys.executable, "nanoeuler.py", "plot", str(run), str(run), "--out", str(png)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = run_engine("nanoeuler.py", "plot", run, run, "--out", png, timeout=60)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = image.imread(str(png))
