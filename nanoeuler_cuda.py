@@ -1119,7 +1119,10 @@ def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
 #
 # Layout as the fp32 kernel: qkv (N, S) bf16, N = B*T, S = Cq + 2*Ck, columns [q heads | k heads | v heads]
 # (q, k rotated); out (N, Cq) bf16; lse (B, Hq, T) fp32 in base 2 (log2-sum-exp of scores * scale*log2(e));
-# dqkv (N, S) bf16. Query head h reads kv head h / (Hq/Hkv): K/V are never repeated.
+# dqkv (N, S) bf16. Query head h reads kv head h / (Hq/Hkv): K/V are never repeated. The RoPE backward is
+# fused: the backward kernels rotate dq and dk back in registers before they store them (their epilogues).
+# (The forward's rotation stays a pass of its own: done in this kernel's prologue it cost more than the pass,
+# 241 against 164 + 37 us at B=64 on an H200, as every k tile is loaded, so rotated, by up to T/64 blocks.)
 #
 # Every block is 4 warps (128 threads); a tile is 64 rows. Each warp owns 16 rows of the 64 and computes
 # 16 x 64 score tiles with m16n8k16 (A row-major 16x16 in 4 regs, B 16x8 "col" in 2 regs, C 16x8 fp32 in
@@ -1261,6 +1264,31 @@ __device__ __forceinline__ void fb_c2a(unsigned pa[4][4], const float s[8][4]) {
     }
 }
 
+// RoPE backward in the epilogue: a warp's C fragments acc (16 x HD; lane: rows g, g+8, columns 8n + 2c + {0,1})
+// times scale, rotated back by each row's position, to the bf16 rows dst + t * ld (row t of r0 + g + 8r, t < T).
+// The pair of column i is column i + HD/2: n-tile n + HD/16 in the same lane.
+template <int HD>
+__device__ __forceinline__ void fb_store_unrotated(const float acc[HD / 8][4], bf16* dst, long long ld, int r0, int T,
+                                                   float scale, const float* __restrict__ cosv,
+                                                   const float* __restrict__ sinv, int g, int c) {
+    constexpr int HALF = HD / 2;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int t = r0 + g + 8 * r;
+        if (t >= T) continue;
+        bf16* d = dst + t * ld + 2 * c;
+#pragma unroll
+        for (int n = 0; n < HD / 16; n++) {
+            const float2 cs = *reinterpret_cast<const float2*>(cosv + (long long)t * HALF + 8 * n + 2 * c);
+            const float2 sn = *reinterpret_cast<const float2*>(sinv + (long long)t * HALF + 8 * n + 2 * c);
+            const float a0 = acc[n][2 * r] * scale, a1 = acc[n][2 * r + 1] * scale;
+            const float b0 = acc[n + HD / 16][2 * r] * scale, b1 = acc[n + HD / 16][2 * r + 1] * scale;
+            *reinterpret_cast<unsigned*>(d + 8 * n) = fb_pack(a0 * cs.x + b0 * sn.x, a1 * cs.y + b1 * sn.y);
+            *reinterpret_cast<unsigned*>(d + HALF + 8 * n) = fb_pack(b0 * cs.x - a0 * sn.x, b1 * cs.y - a1 * sn.y);
+        }
+    }
+}
+
 template <int HD>
 __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* __restrict__ out,
                                             float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) {
@@ -1354,7 +1382,8 @@ extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_128(const bf16*
 template <int HD>
 __device__ __forceinline__ void fb_dq_body(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
         const bf16* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ Dv,
-        bf16* __restrict__ dqkv, int T, int Hq, int Hkv, float scale, float sl2) {
+        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv,
+        int T, int Hq, int Hkv, float scale, float sl2) {
     constexpr int LDS = HD + 8, TILE = 64 * LDS;
     extern __shared__ __align__(16) unsigned char fb_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(fb_smem);      // [64][LDS]
@@ -1434,32 +1463,27 @@ __device__ __forceinline__ void fb_dq_body(const bf16* __restrict__ qkv, const b
         fb_pm<HD>(dq, pa, Kc, lane);                               // dQ += dS K
         __syncthreads();
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int t = q0 + w * 16 + g + 8 * r;
-        if (t < T) {
-            bf16* dst = dqkv + ((long long)b * T + t) * S + h * HD + 2 * c;
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++)
-                *reinterpret_cast<unsigned*>(dst + 8 * n) = fb_pack(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
-        }
-    }
+    fb_store_unrotated<HD>(dq, dqkv + (long long)b * T * S + h * HD, S, q0 + w * 16, T, scale, cosv, sinv, g, c);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_32(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
         const bf16* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2) { fb_dq_body<32>(qkv, out, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2); }
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale, float sl2) {
+    fb_dq_body<32>(qkv, out, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2); }
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_64(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
         const bf16* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2) { fb_dq_body<64>(qkv, out, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2); }
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale, float sl2) {
+    fb_dq_body<64>(qkv, out, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2); }
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_128(const bf16* __restrict__ qkv, const bf16* __restrict__ out,
         const bf16* __restrict__ dout, const float* __restrict__ lse, float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2) { fb_dq_body<128>(qkv, out, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2); }
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale, float sl2) {
+    fb_dq_body<128>(qkv, out, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2); }
 
 // dK, dV of key tile kt (keys kt*64 .. kt*64+63) of kv head blockIdx.y, batch blockIdx.z
 template <int HD>
 __device__ __forceinline__ void fb_dkdv_tile(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
         const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv,
+        const float* __restrict__ cosv, const float* __restrict__ sinv,
         int T, int Hq, int Hkv, float scale, float sl2, const int kt) {
     constexpr int LDS = HD + 8, TILE = 64 * LDS;
     extern __shared__ __align__(16) unsigned char fb_smem[];
@@ -1542,16 +1566,15 @@ __device__ __forceinline__ void fb_dkdv_tile(const bf16* __restrict__ qkv, const
             fb_pm<HD>(dk, pa, Qc, lane);                           // dK += dS^T Q
             __syncthreads();                                       // buffer it&1 is refilled next iteration
         }
+        bf16* drow = dqkv + (long long)b * T * S + Cq + j * HD;
+        fb_store_unrotated<HD>(dk, drow, S, k0 + w * 16, T, scale, cosv, sinv, g, c);
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const int t = k0 + w * 16 + g + 8 * r;
             if (t < T) {
-                bf16* dst = dqkv + ((long long)b * T + t) * S + Cq + j * HD + 2 * c;
 #pragma unroll
-                for (int n = 0; n < HD / 8; n++) {
-                    *reinterpret_cast<unsigned*>(dst + 8 * n) = fb_pack(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
-                    *reinterpret_cast<unsigned*>(dst + Ck + 8 * n) = fb_pack(dv[n][2 * r], dv[n][2 * r + 1]);
-                }
+                for (int n = 0; n < HD / 8; n++)
+                    *reinterpret_cast<unsigned*>(drow + t * S + Ck + 2 * c + 8 * n) = fb_pack(dv[n][2 * r], dv[n][2 * r + 1]);
             }
         }
     }
@@ -1561,27 +1584,31 @@ __device__ __forceinline__ void fb_dkdv_tile(const bf16* __restrict__ qkv, const
 template <int HD>
 __device__ __forceinline__ void fb_dkdv_body(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
         const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2, int pair) {
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale,
+        float sl2, int pair) {
     const int nkt = (T + 63) / 64, kt = blockIdx.x, kt2 = nkt - 1 - kt;
-    fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2, kt);
+    fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2, kt);
     if (pair && kt2 != kt) {
         __syncthreads();                                           // the first key tile's shared memory is consumed
-        fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2, kt2);
+        fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2, kt2);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_32(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
-        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2, int pair) {
-    fb_dkdv_body<32>(qkv, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2, pair); }
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_64(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
-        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2, int pair) {
-    fb_dkdv_body<64>(qkv, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2, pair); }
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_128(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
-        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv,
-        int T, int Hq, int Hkv, float scale, float sl2, int pair) {
-    fb_dkdv_body<128>(qkv, dout, lse, Dv, dqkv, T, Hq, Hkv, scale, sl2, pair); }
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_32(const bf16* __restrict__ qkv,
+        const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dv,
+        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv,
+        float scale, float sl2, int pair) {
+    fb_dkdv_body<32>(qkv, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2, pair); }
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_64(const bf16* __restrict__ qkv,
+        const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dv,
+        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv,
+        float scale, float sl2, int pair) {
+    fb_dkdv_body<64>(qkv, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2, pair); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_128(const bf16* __restrict__ qkv,
+        const bf16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ Dv,
+        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv,
+        float scale, float sl2, int pair) {
+    fb_dkdv_body<128>(qkv, dout, lse, Dv, dqkv, cosv, sinv, T, Hq, Hkv, scale, sl2, pair); }
 """
 
 
@@ -1607,18 +1634,19 @@ def flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd):
     k(((T + 63) // 64, Hq, B), (128,), (qkv, out, lse, I32(T), I32(Hq), I32(Hkv), F32(sl2)), shared_mem=smem)
 
 
-def flash_bf16_bwd(qkv, out, dout, lse, dqkv, Dv, B, T, Hq, Hkv, hd, pair=None):
-    """-> dqkv (N, S) bf16: dq, dk, dv (before the RoPE backward). Dv (B, Hq, T) fp32 scratch (rowsum dO*O)."""
+def flash_bf16_bwd(qkv, out, dout, lse, dqkv, Dv, cos, sin, B, T, Hq, Hkv, hd, pair=None):
+    """-> dqkv (N, S) bf16: dq, dk (rotated back by the RoPE tables cos, sin (ctx, hd/2): the RoPE backward), dv.
+    Dv (B, Hq, T) fp32 scratch (rowsum dO*O)."""
     pair = FLASH_BF16_PAIR if pair is None else int(pair)
     kq, sq = _flash_bf16_kernel("dq", hd)
     kd, sd = _flash_bf16_kernel("dkdv", hd)
     scale = 1.0 / math.sqrt(hd)
     sl2 = scale * math.log2(math.e)
     nt = (T + 63) // 64
-    kq((nt, Hq, B), (128,), (qkv, out, dout, lse, Dv, dqkv, I32(T), I32(Hq), I32(Hkv), F32(scale), F32(sl2)),
-       shared_mem=sq)
+    kq((nt, Hq, B), (128,), (qkv, out, dout, lse, Dv, dqkv, cos, sin, I32(T), I32(Hq), I32(Hkv), F32(scale),
+                             F32(sl2)), shared_mem=sq)
     kd(((nt + 1) // 2 if pair else nt, Hkv, B), (128,),
-       (qkv, dout, lse, Dv, dqkv, I32(T), I32(Hq), I32(Hkv), F32(scale), F32(sl2), I32(pair)), shared_mem=sd)
+       (qkv, dout, lse, Dv, dqkv, cos, sin, I32(T), I32(Hq), I32(Hkv), F32(scale), F32(sl2), I32(pair)), shared_mem=sd)
 
 
 # --- naive attention (for teaching and the speed comparison): the T x T scores are materialised.
@@ -2689,8 +2717,8 @@ class Model:
             # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
             mm(G[p + "wo"], self.dxb, self.att[l], ta=True)
             mm(self.da, self.dxb, Pb[p + "wo"])
-            flash_bf16_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.Dv, B, T, Hq, Hkv, hd)
-            rope(self.dqkv, self.cos, self.sin, T, Hq + Hkv, hd, sign=-1.0)
+            flash_bf16_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.Dv, self.cos, self.sin,
+                           B, T, Hq, Hkv, hd)                                  # dq, dk rotated back
             mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
             mm(self.dh, self.dqkv, Pb.rows(p + "wq", p + "wv"))
             rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part,
@@ -3902,26 +3930,30 @@ def selftest_checks_bf16(rng):
         loss_reduce(rl, _d(inv), ce)
         R.append((f"cross-entropy, 2 row chunks (V={V}): loss", rel_err(ce, ces_ref), T32))
         R.append(("  its bf16 gradient", rel_err(dl, ref), TB))
-    # tensor-core flash attention: head dims 32, 64, 128, GQA, T not a tile multiple; determinism
+    # tensor-core flash attention (its backward with the RoPE backward): head dims 32, 64, 128, GQA, T not a tile
+    # multiple; determinism
     for hd, Hq, Hkv, B, T in ((32, 4, 2, 2, 100), (64, 6, 2, 2, 130), (128, 4, 1, 1, 200)):
         N, Cq, Ck = B * T, Hq * hd, Hkv * hd
         qkv, dout = _rb(randn(N, Cq + 2 * Ck) * 1.5), _rb(randn(N, Cq))
         q, k, v = (qkv[:, :Cq].reshape(N, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(N, Hkv, hd),
                    qkv[:, Cq + Ck:].reshape(N, Hkv, hd))
         out_r, lse_r, dq_r, dk_r, dv_r = _attn_ref(q, k, v, B, T, dout.reshape(N, Hq, hd))
-        g_qkv, g_do = _db(qkv), _db(dout)
+        cos, sin = pl.rope_tables(256, hd, np.float64)
+        pos = np.tile(np.arange(T, dtype=np.int32), B)
+        dq_r, dk_r = ne.rope_backward(dq_r, pos, cos, sin), ne.rope_backward(dk_r, pos, cos, sin)
+        g_qkv, g_do, g_cos, g_sin = _db(qkv), _db(dout), _d(cos), _d(sin)
         runs = []
         for _ in range(2):
             out, lse, dqkv, Dv = _nanb(N, Cq), _nan(B, Hq, T), _nanb(N, Cq + 2 * Ck), _nan(B, Hq, T)
             flash_bf16_fwd(g_qkv, out, lse, B, T, Hq, Hkv, hd)
-            flash_bf16_bwd(g_qkv, out, g_do, lse, dqkv, Dv, B, T, Hq, Hkv, hd)
+            flash_bf16_bwd(g_qkv, out, g_do, lse, dqkv, Dv, g_cos, g_sin, B, T, Hq, Hkv, hd)
             runs.append((cp.asnumpy(out), cp.asnumpy(lse), cp.asnumpy(dqkv)))
         tag = f"flash bf16 hd={hd} Hq/Hkv={Hq}/{Hkv} T={T}"
         out, lse, d = runs[0]
         R.append((f"{tag} lse", rel_err(lse, lse_r), T32))
         R.append((f"{tag} fwd", rel_err(out, out_r.reshape(N, Cq)), 1e-2))
-        R.append((f"{tag} bwd dq", rel_err(d[:, :Cq], dq_r.reshape(N, Cq)), 2e-2))
-        R.append((f"{tag} bwd dk", rel_err(d[:, Cq:Cq + Ck], dk_r.reshape(N, Ck)), 2e-2))
+        R.append((f"{tag} bwd dq (rotated back)", rel_err(d[:, :Cq], dq_r.reshape(N, Cq)), 2e-2))
+        R.append((f"{tag} bwd dk (rotated back)", rel_err(d[:, Cq:Cq + Ck], dk_r.reshape(N, Ck)), 2e-2))
         R.append((f"{tag} bwd dv", rel_err(d[:, Cq + Ck:], dv_r.reshape(N, Ck)), 2e-2))
         R.append((f"{tag} rerun bit mismatches", float(sum(np.count_nonzero(a.view(np.uint16) != b.view(np.uint16))
                                                            for a, b in zip(runs[0], runs[1]))), 0))
@@ -4136,9 +4168,11 @@ def bench_attention(B=16, Hq=12, Hkv=4, T=512, hd=64, reps=20):
     qkv, dout = cp.asarray(bf16_bits(qkv_h)), cp.asarray(bf16_bits(dout_h))
     out, dqkv = cp.empty((N, Cq), BF), cp.empty((N, Cq + 2 * Ck), BF)
     lse, Dv = _nan(B, Hq, T), _nan(B, Hq, T)
+    cos, sin = (_d(t) for t in pl.rope_tables(T, hd, np.float64))      # the bf16 backward rotates dq, dk back
     res["flash-bf16"] = (_time(lambda: flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd), reps),
                          _time(lambda: (flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd),
-                                        flash_bf16_bwd(qkv, out, dout, lse, dqkv, Dv, B, T, Hq, Hkv, hd)), reps))
+                                        flash_bf16_bwd(qkv, out, dout, lse, dqkv, Dv, cos, sin, B, T, Hq, Hkv, hd)),
+                               reps))
     qkv, dout = _d(qkv_h), _d(dout_h)
     out, dqkv, dqp = _nan(N, Cq), _nan(N, Cq + 2 * Ck), _nan((T + 63) // 64, N, Cq)
     res["flash-fp32"] = (_time(lambda: flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd), reps),
