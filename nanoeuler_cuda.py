@@ -362,15 +362,22 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const f
     rmsnorm_fwd_body<bf16>(x, add, has_add, w, xout, h, rstd, N, D);
 }
 
-// Backward in one pass over dy and x: dx (+)= r*g - r^3 * x * mean(g*x), g = dy*w (fp32; with WB also a
-// bf16 copy dxb of the new dx, the next GEMMs' input), and dw's partial sums without atomics. A block is
+// Backward in one pass over dy and x: dx (+)= r*g - r^3 * x * mean(g*x), g = dy*w (fp32 math; DY float, or
+// bf16 on the bf16 path, where dy is a GEMM's output; there, when dxb is given, also a bf16 copy of the new dx,
+// the next GEMMs' input), and dw's partial sums without atomics. A block is
 // 4 warps; a warp takes rpw consecutive rows, one at a time, its lane holding the row's columns
 // 4(lane + 32j) .. +3 (j < NV: D <= 128 NV; NV = 6 or 8 sizes the registers to the row; D % 4 == 0), all
 // loaded (dy, x and the dx it adds to) before the row's one reduction, 16 bytes at a time; its lanes hold
 // their columns' share of dw = sum_rows dy*x*r; the 4 warps are added in warp order into part[block][D]
 // and col_sum adds the blocks in order. Every sum has a fixed order. rpw: about 1024 blocks.
-template <int NV, bool WB>
-__device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, const float* __restrict__ x,
+__device__ __forceinline__ float4 ld4(const float* p, i64 c) { return reinterpret_cast<const float4*>(p)[c]; }
+__device__ __forceinline__ float4 ld4(const bf16* p, i64 c) {
+    const uint2 u = reinterpret_cast<const uint2*>(p)[c];
+    const float2 a = unpack_bf2(u.x), b = unpack_bf2(u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+template <int NV, typename DY>
+__device__ __forceinline__ void rmsnorm_bwd_body(const DY* __restrict__ dy, const float* __restrict__ x,
         const float* __restrict__ w, const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb,
         int accumulate, float* __restrict__ part, int N, int D, int rpw) {
     __shared__ float4 sh[4][32];
@@ -383,7 +390,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, c
     for (int i = 0; i < rpw; i++) {
         const int row = row0 + i;
         if (row >= N) break;                                       // uniform over the warp
-        const float4* dyr = reinterpret_cast<const float4*>(dy + (i64)row * D);
+        const DY* dyr = dy + (i64)row * D;
         const float4* xr = reinterpret_cast<const float4*>(x + (i64)row * D);
         float4* dxr = reinterpret_cast<float4*>(dx + (i64)row * D);
         float4 g[NV], xv[NV], old[NV];
@@ -393,7 +400,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, c
             const int c = lane + 32 * j;
             g[j] = xv[j] = old[j] = make_float4(0.f, 0.f, 0.f, 0.f);
             if (c < D4) {
-                g[j] = dyr[c]; xv[j] = xr[c];
+                g[j] = ld4(dyr, c); xv[j] = xr[c];
                 if (accumulate) old[j] = dxr[c];
                 const float4 wv = __ldg(w4 + c);
                 gx += g[j].x * wv.x * xv[j].x + g[j].y * wv.y * xv[j].y + g[j].z * wv.z * xv[j].z + g[j].w * wv.w * xv[j].w;
@@ -409,7 +416,7 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, c
                 float4 v = make_float4(r * g[j].x * wv.x - k * xv[j].x + old[j].x, r * g[j].y * wv.y - k * xv[j].y + old[j].y,
                                        r * g[j].z * wv.z - k * xv[j].z + old[j].z, r * g[j].w * wv.w - k * xv[j].w + old[j].w);
                 dxr[c] = v;
-                if (WB) {
+                if (dxb != nullptr) {
                     uint2 b;
                     b.x = pack_bf2(v.x, v.y);
                     b.y = pack_bf2(v.z, v.w);
@@ -434,22 +441,22 @@ __device__ __forceinline__ void rmsnorm_bwd_body(const float* __restrict__ dy, c
         __syncthreads();
     }
 }
-// D <= 1024 (NV 8) and D <= 768 (NV 6: fewer registers, more blocks per SM); fp32 dx alone, or with its bf16 copy
-#define RMS_BWD_PARAMS const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w, \
-        const float* __restrict__ rstd, float* __restrict__ dx
-#define RMS_BWD_TAIL int accumulate, float* __restrict__ part, int N, int D, int rpw
-extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd(RMS_BWD_PARAMS, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<8, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
+// D <= 1024 (NV 8) and D <= 768 (NV 6: fewer registers, more blocks per SM); fp32 dy and dx, or (_bf16) bf16 dy,
+// fp32 dx and, unless dxb is null, its bf16 copy
+#define RMS_BWD_PARAMS const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd, \
+        float* __restrict__ dx, bf16* __restrict__ dxb, int accumulate, float* __restrict__ part, int N, int D, int rpw
+#define RMS_BWD_ARGS x, w, rstd, dx, dxb, accumulate, part, N, D, rpw
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd(const float* __restrict__ dy, RMS_BWD_PARAMS) {
+    rmsnorm_bwd_body<8>(dy, RMS_BWD_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_d768(RMS_BWD_PARAMS, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<6, false>(dy, x, w, rstd, dx, nullptr, accumulate, part, N, D, rpw);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_d768(const float* __restrict__ dy, RMS_BWD_PARAMS) {
+    rmsnorm_bwd_body<6>(dy, RMS_BWD_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16(RMS_BWD_PARAMS, bf16* __restrict__ dxb, RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<8, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16(const bf16* __restrict__ dy, RMS_BWD_PARAMS) {
+    rmsnorm_bwd_body<8>(dy, RMS_BWD_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16_d768(RMS_BWD_PARAMS, bf16* __restrict__ dxb,
-                                                                        RMS_BWD_TAIL) {
-    rmsnorm_bwd_body<6, true>(dy, x, w, rstd, dx, dxb, accumulate, part, N, D, rpw);
+extern "C" __global__ void __launch_bounds__(128) rmsnorm_bwd_bf16_d768(const bf16* __restrict__ dy, RMS_BWD_PARAMS) {
+    rmsnorm_bwd_body<6>(dy, RMS_BWD_ARGS);
 }
 // out[c] = sum over chunks of part[chunk][c] in a fixed order: a block is 32 columns x 32 lanes; lane y
 // adds chunks y, y+32, ... in order, then the 32 lanes are added in order (coalesced 128-byte rows)
@@ -492,17 +499,17 @@ def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None):
 
 
 def rmsnorm_bwd(dy, x, w, rstd, dx, dw, part, accumulate=True, dxb=None):
-    """dx (+)= d/dx (and dxb = bf16(dx) when given); dw = sum over rows, via part: a (rms_part_rows(N), D)
-    scratch. D <= 1024, D % 4 == 0, rows 16-byte aligned."""
+    """dx (+)= d/dx; dw = sum over rows, via part: a (rms_part_rows(N), D) scratch. dy fp32, or bf16 (the bf16
+    path), which may also write dxb = bf16(dx). D <= 1024, D % 4 == 0, rows 16-byte aligned."""
     N, D = x.shape
     rpw = rms_rows_per_warp(N)
     nb = -(-N // (4 * rpw))
     assert part.shape[0] >= nb and part.shape[1] == D and D <= 1024 and D % 4 == 0
-    tail = (I32(accumulate), part, I32(N), I32(D), I32(rpw))
-    if dxb is None:
-        _k("rmsnorm_bwd_d768" if D <= 768 else "rmsnorm_bwd")((nb,), (128,), (dy, x, w, rstd, dx) + tail)
-    else:
-        _k("rmsnorm_bwd_bf16_d768" if D <= 768 else "rmsnorm_bwd_bf16")((nb,), (128,), (dy, x, w, rstd, dx, dxb) + tail)
+    assert dy.dtype == BF or dxb is None
+    name = {(False, False): "rmsnorm_bwd", (False, True): "rmsnorm_bwd_d768", (True, False): "rmsnorm_bwd_bf16",
+            (True, True): "rmsnorm_bwd_bf16_d768"}[dy.dtype == BF, D <= 768]
+    _k(name)((nb,), (128,), (dy, x, w, rstd, dx, dxb if dxb is not None else np.uint64(0), I32(accumulate), part,
+                             I32(N), I32(D), I32(rpw)))
     _k("col_sum")(((D + 31) // 32,), (1024,), (part, dw, I32(nb), I32(D)))
 
 
@@ -2518,7 +2525,8 @@ class Model:
         self.rowloss, self.ce = f32(K, N), cp.zeros(K, np.float32)
         self.tmp = f32(N, D)                              # a @ wo.T, act @ w2.T before the fused residual add
         if self.train:
-            self.dx, self.dxb, self.dh = f32(N, D), b16(N, D), f32(N, D)    # residual gradient fp32 + bf16 copy
+            self.dx, self.dxb = f32(N, D), b16(N, D)      # the residual's gradient, fp32 and its bf16 copy
+            self.dh = b16(N, D)                             # a branch's gradient into its RMSNorm (GEMM output)
             self.da, self.dqkv, self.dact = b16(N, Cq), b16(N, self.S), b16(N, F)
             self.Dv = f32(B, Hq, T)
             self.part = f32(rms_part_rows(N), D)
@@ -3872,7 +3880,7 @@ def selftest_checks_bf16(rng):
             eb = max(eb, rel_err(Cb, A @ Bm.T))
     R.append(("gemm bf16 -> fp32 (gemmEx, 4 transposes, beta=1)", e32, 1e-4))
     R.append(("gemm bf16 -> bf16 (gemmEx, 4 transposes)", eb, TB))
-    # RMSNorm: fp32 residual in, bf16 h out; backward with the bf16 copy of dx
+    # RMSNorm: fp32 residual in, bf16 h out; backward from a bf16 dy, with and without the bf16 copy of dx
     for N, D in ((600, 72), (130, 1024)):
         x0, add, w = randn(N, D) * 2, randn(N, D), 1 + 0.3 * randn(D)
         y2, rstd2 = ne.rmsnorm_forward(x0 + add, w)
@@ -3880,12 +3888,15 @@ def selftest_checks_bf16(rng):
         rmsnorm_fwd(_d(x0), _d(w), h, r, add=_d(add), xout=xo)
         R.append((f"rmsnorm fwd + residual add, bf16 h (D={D})", max(rel_err(xo, x0 + add), rel_err(r, rstd2)), T32))
         R.append((f"  its bf16 h (D={D})", rel_err(h, y2), TB))
-        dy, dres = randn(N, D), randn(N, D)
+        dy, dres = _rb(randn(N, D)), randn(N, D)                        # bf16 dy: a GEMM's output
         dx_ref, dw_ref = dres.copy(), np.zeros(D)
         ne.rmsnorm_backward(dy, x0 + add, w, rstd2, dx_ref, dw_ref)
-        dxg, dxb, dwg = _d(dres), _nanb(N, D), _nan(D)
-        rmsnorm_bwd(_d(dy), _d(x0 + add), _d(w), _d(rstd2), dxg, dwg, _nan(rms_part_rows(N), D), dxb=dxb)
-        R.append((f"rmsnorm bwd + bf16 copy: dx, dw (D={D})", max(rel_err(dxg, dx_ref), rel_err(dwg, dw_ref)), T32))
+        for copy in (False, True):
+            dxg, dxb, dwg = _d(dres), _nanb(N, D), _nan(D)
+            rmsnorm_bwd(_db(dy), _d(x0 + add), _d(w), _d(rstd2), dxg, dwg, _nan(rms_part_rows(N), D),
+                        dxb=dxb if copy else None)
+            R.append((f"rmsnorm bwd, bf16 dy{' + bf16 copy' if copy else ''}: dx, dw (D={D})",
+                      max(rel_err(dxg, dx_ref), rel_err(dwg, dw_ref)), T32))
         R.append((f"  its bf16 dx (D={D})", rel_err(dxb, dx_ref), TB))
     # RoPE on bf16 q|k heads of a fused q|k|v buffer (v untouched), back, and at positions pos0..
     B, T, Hq, Hkv, hd = 2, 19, 4, 2, 32
