@@ -962,6 +962,12 @@ def cpu_generate(P, a, stats=None):
     return lambda ids, n, rng: generate(P, ids, n, rng=rng, sampling=sampling, speculative=spec, stats=stats)
 
 
+def serve_generate(P, a):
+    """serve's generate(ids, n, sampling, rng): each request's own sampling decides speculation, as in sample."""
+    return lambda ids, n, sampling, rng: generate(P, ids, n, rng=rng, sampling=sampling,
+                                                  speculative=speculative_of(P, a, sampling))
+
+
 # ----------------------------------------------------------------------------------------------------
 # modes
 
@@ -1048,8 +1054,7 @@ def cmd_chat(a):
 
 def cmd_serve(a):
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda ids, n, sampling, rng: generate(
-        P, ids, n, rng=rng, sampling=sampling, speculative=a.speculative), "CPU")
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", serve_generate(P, a), "CPU")
 
 
 def cmd_export(a):
@@ -1140,7 +1145,7 @@ def parser():
                         speculative_help=SPECULATIVE_HELP)
     v = sub.add_parser("serve", help="an OpenAI-compatible API and a chat page in the browser (serve.py)",
                        description=serve.DESCRIPTION)
-    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz")
+    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", speculative_help=SPECULATIVE_HELP)
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
                        description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
     pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)

@@ -3316,7 +3316,7 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz", speculative=None)
+    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz")
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)

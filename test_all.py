@@ -324,6 +324,17 @@ def test_sample_cli_samples_and_speed_line(one_step_ckpt):
     assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr
     assert [ne.speculation_pays(pl.CONFIGS[n]) for n in ("tiny", "small", "medium", "big")] == [True, True, False, False]
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--top-p", 0), "--top-p 0")
+
+
+def test_serve_speculates_per_request_as_sample_does(monkeypatch):
+    """serve's default: each request's sampling decides (greedy on tiny: on; sampling: off); the flags force it."""
+    P, seen = pl.Params.init(pl.CONFIGS["tiny"]), []
+    monkeypatch.setattr(ne, "generate", lambda *args, speculative, **kw: seen.append(speculative))
+    for flags in ([], ["--no-speculative"], ["--speculative"]):
+        gen = ne.serve_generate(P, ne.parser().parse_args(["serve", *flags]))
+        gen([1], 3, pl.Sampling(0), None)
+        gen([1], 3, pl.Sampling(0.7), None)
+    assert seen == [True, False, False, False, True, True]
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
 
