@@ -39,26 +39,14 @@ def read_log(run_dir):
     return recs
 
 
-def tokens_per_step(run_dir):
-    """batch x seq of the run, from its checkpoint's train_state; None when there is none."""
-    path = os.path.join(run_dir, "ckpt.npz")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            train = json.loads(str(z["train_state"]))["train"]
-        return int(train["batch"]) * int(train["seq"])
-    except Exception:                                   # no checkpoint, no state (SFT), damage: use the log
-        return None
-
-
 def curves(run_dir):
     """-> dict of arrays: step, tokens, wall (s, cumulative ms), loss; val_step, val_tokens, val_wall, val_loss."""
     recs = read_log(run_dir)
     step = np.array([r["step"] for r in recs], float)
     ms = np.array([r.get("ms", 0.0) for r in recs], float)
-    per_step = tokens_per_step(run_dir)
-    if per_step is not None:
-        tokens = step * per_step
-    else:                                               # tok_s x ms = tokens of each step
+    if all("tokens" in r for r in recs):                # step x each step's tokens: right across resumes too
+        tokens = step * np.array([r["tokens"] for r in recs], float)
+    else:                                               # logs from before "tokens": tok_s x ms a step
         tokens = np.cumsum([r.get("tok_s", 0) * r.get("ms", 0.0) / 1e3 for r in recs])
     wall = np.cumsum(ms) / 1e3
     val = np.array([i for i, r in enumerate(recs) if r.get("val_loss") is not None], int)
@@ -253,17 +241,16 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
     """report.md in out_dir: config, parameters, tokens seen, wall time, tokens/s, model FLOP/s and (given
     the devices' peak) MFU, final validation loss and bpb, the sample, the loss-curve plot (if matplotlib)
     and eval scores (evals.jsonl)."""
-    recs = read_log(out_dir)
-    steps = recs[-1]["step"]
-    tokens = steps * args["batch"] * args["seq"]
-    wall = sum(r.get("ms", 0.0) for r in recs) / 1e3
+    c = curves(out_dir)
+    steps, tokens, wall = int(c["step"][-1]), int(round(c["tokens"][-1])), float(c["wall"][-1])
+    per_step = c["recs"][-1].get("tokens")
     n_params = pl.num_params(cfg)
     flops = pl.model_flops_per_token(cfg, args["seq"])
     rate = tokens / wall if wall > 0 else float("nan")
     lines = [f"# Run report: {args.get('config', pl.config_name(cfg))}", "",
              f"- engine: {engine}", f"- config: {args.get('config')} {cfg}", f"- parameters: {n_params:,}",
              "- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
-             f"- steps: {steps}", f"- tokens seen: {tokens:,} ({steps} steps x {args['batch']} x {args['seq']})",
+             f"- steps: {steps}", f"- tokens seen: {tokens:,}" + (f" ({steps} steps x {per_step:,})" if per_step else ""),
              f"- wall time: {wall:.1f} s (training steps, from {LOG})", f"- tokens/s: {rate:,.0f}",
              f"- model FLOP/s: {rate * flops / 1e9:,.1f} GFLOP/s ({flops:,} FLOPs per token; "
              + (f"MFU {rate * flops / (peak_tflops * 1e12):.1%} of {peak_tflops:,.0f} TFLOP/s" if peak_tflops

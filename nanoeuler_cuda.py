@@ -2987,7 +2987,7 @@ def train(a, defaults, resume, group=None):
     pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
-    report = evaluate.write_report(a.out, dict(args, batch=world * A * B), P.cfg, *val_fn(), sample, engine="GPU",
+    report = evaluate.write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
                                    peak_tflops=PEAK_TFLOPS * world)
     print(f"report: {report}")
 

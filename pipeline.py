@@ -1210,7 +1210,8 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
                 raise UserError(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept "
                                 f"({ckpt_path}); try a lower --lr")
             rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
-                   "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt)}
+                   "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt),
+                   "tokens": n_tokens}                  # this step's: batch x grad-accum x seq x GPUs
             if s == step and evaluating:
                 val_loss, bpb, *more = val_fn()          # more: a dict of other metrics for the log (DPO)
                 rec.update(val_loss=round(val_loss, 5), **({"val_bpb": round(bpb, 5)} if bpb else {}), **(more[0] if more else {}))

@@ -140,6 +140,19 @@ def test_train_writes_report_and_plot(tmp_path):
     assert list(c["val_step"]) == [2, 4] and np.all(np.diff(c["wall"]) >= 0)
 
 
+def test_report_counts_grad_accum_tokens(tmp_path):
+    """--grad-accum 2: a step sees 2 micro-batches, and the report and the curves count both."""
+    data = tmp_path / "text.txt"
+    data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
+    run = tmp_path / "run"
+    r = run_engine("nanoeuler.py", "train", "tiny", "--steps", 2, "--batch", 2, "--seq", 16, "--grad-accum", 2,
+                   "--eval-every", 2, "--sample-every", 0, "--data", data, "--out", run,
+                   env={"NANOEULER_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tokens seen: 128 (2 steps x 64)" in (run / "report.md").read_text()
+    assert list(evaluate.curves(str(run))["tokens"]) == [64, 128]
+
+
 def _script(out, **env):
     e = {k: v for k, v in os.environ.items() if k not in ("HELLASWAG_SOURCE", "OUT", "FORCE")}
     e.update(OUT=str(out), PYTHON=sys.executable, **{k: str(v) for k, v in env.items()})
