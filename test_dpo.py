@@ -380,5 +380,5 @@ def test_gpu_dpo_run_follows_the_cpu_run(ckpts, tmp_path):
     assert len(cpu) == len(gpu) == 5 and gpu[1]["loss"] == pytest.approx(np.log(2), abs=1e-4)
     for c, g in zip(cpu, gpu):
         assert c.keys() == g.keys()
-        for k in set(c) - {"ms", "tok_s"}:
+        for k in set(c) - {"ms", "tok_s", "tokens"}:      # the engine's work: the GPU pads pairs to the context
             assert g[k] == pytest.approx(c[k], rel=1e-3, abs=1e-4), (c["step"], k)
