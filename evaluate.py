@@ -56,9 +56,10 @@ def curves(run_dir):
                 val_loss=np.array([recs[i]["val_loss"] for i in val], float), recs=recs)
 
 
-def plot(run_dirs, out_png):
-    """Train (lines) and validation (markers) loss against steps, tokens and wall time; one colour per run."""
-    data = [(d, curves(d)) for d in run_dirs]           # every folder checked before matplotlib is needed
+def plot(run_dirs, out_png, data=None):
+    """Train (lines) and validation (markers) loss against steps, tokens and wall time; one colour per run.
+    data: [(run_dir, curves(run_dir))] when the caller has them already."""
+    data = data or [(d, curves(d)) for d in run_dirs]   # every folder checked before matplotlib is needed
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -258,7 +259,7 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
              f"- final validation loss: {val_loss:.4f}", f"- final validation bpb: {val_bpb:.4f}", "",
              "## Sample", "", "```", sample, "```", "", "## Loss curves", ""]
     try:
-        plot([out_dir], os.path.join(out_dir, "loss.png"))
+        plot([out_dir], os.path.join(out_dir, "loss.png"), data=[(out_dir, c)])
         lines.append("![loss curves](loss.png)")
     except pl.UserError as e:
         lines.append(f"(no plot: {e})")

@@ -350,9 +350,7 @@ def _xent(logits, targets, scales, losses, want_grad):
                 if want_grad:
                     row[:] = 0.0
                 continue
-            m = row[0]
-            for v in range(1, V):
-                m = max(m, row[v])
+            m = _max(row, V)
             if not want_grad:
                 z = 0.0
                 for v in range(V):

@@ -1793,10 +1793,10 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
     rope_append(r[hh * hd + i], r[hh * hd + i + half], r, hh, i, n / rows, state[0] + n % rows, cosv, sinv, kc, vc,
                 Hq, Hkv, hd, ctx);
 }
-// One block (256 threads) per (row, kv head, stream) over keys 0 .. pos + t, for the G <= 4 query heads that
+// One block (ATTN_THREADS, 512 threads) per (row, kv head, stream) over keys 0 .. pos + t, for the G <= 4 query heads that
 // share the kv head (each key and value is loaded once for all of them): a thread per key for the G
 // scores (16-byte loads of the key, all in flight: HD is a compile-time constant; the queries in shared
-// memory), then 256 / (HD/4) groups of HD/4 threads, group g summing the values of keys g, g + groups, ..
+// memory), then blockDim / (HD/4) groups of HD/4 threads, group g summing the values of keys g, g + groups, ..
 // 16 bytes a thread for the G heads; the groups' partial sums are added in a fixed order.
 template <int HD> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,

@@ -1058,8 +1058,9 @@ def fit_turns(turns, user, ctx, max_new):
     the oldest turns were dropped) so that max_new positions are left to answer in, when that costs no more
     than half the context. The new turn itself is never cut here (fit_prompt does that)."""
     budget = max(ctx - max_new, ctx // 2)
-    dropped = 0
-    while dropped < len(turns) and sum(len(u) + len(a) for u, a in turns[dropped:]) + len(user) > budget:
+    dropped, total = 0, sum(len(u) + len(a) for u, a in turns) + len(user)
+    while dropped < len(turns) and total > budget:
+        total -= len(turns[dropped][0]) + len(turns[dropped][1])
         dropped += 1
     return [t for u, a in turns[dropped:] for t in u + a] + user, dropped
 

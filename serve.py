@@ -140,17 +140,13 @@ def _messages(body):
 
 
 class Requests:
-    """What the handlers share: the model's facts, the request defaults, the tokenizer (behind a lock: its
-    piece cache is not thread-safe) and the generator of seeds for requests that give none."""
+    """What the handlers share: the model's facts, the request defaults, the tokenizer (thread-safe) and the
+    generator of seeds for requests that give none (behind a lock)."""
 
     def __init__(self, tok, ctx, chat, name, defaults, seed):
         self.tok, self.ctx, self.chat, self.name, self.defaults = tok, ctx, chat, name, defaults
         self.lock = threading.Lock()
         self.seeds = np.random.default_rng(seed)
-
-    def encode(self, text):
-        with self.lock:
-            return self.tok.encode(text)
 
     def job(self, body, chat):
         """Checks a request's fields (OpenAI's names and ranges) and builds its prompt."""
@@ -196,10 +192,9 @@ class Requests:
     def chat_prompt(self, body, max_new):
         turns, last = _messages(body)
         tok, chat = self.tok, self.chat
-        with self.lock:                                  # a chat checkpoint's answers close with <|endoftext|>
-            ids = [(pl.user_turn(tok, u, chat, first=i == 0), tok.encode(a) + ([tok.eot] if chat else []))
-                   for i, (u, a) in enumerate(turns)]
-            new = pl.user_turn(tok, last, chat, first=not turns)
+        ids = [(pl.user_turn(tok, u, chat, first=i == 0), tok.encode(a) + ([tok.eot] if chat else []))   # a chat
+               for i, (u, a) in enumerate(turns)]                  # checkpoint's answers close with <|endoftext|>
+        new = pl.user_turn(tok, last, chat, first=not turns)
         if len(new) >= self.ctx:
             raise self.too_long(len(new), "messages")
         return pl.fit_turns(ids, new, self.ctx, max_new)[0]
@@ -211,7 +206,7 @@ class Requests:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             p = p[0]
         if isinstance(p, str):
-            ids = self.encode(p)
+            ids = self.tok.encode(p)
         elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             ids = p
             if any(not 0 <= t < self.tok.vocab_size for t in ids):

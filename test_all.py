@@ -25,7 +25,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import bpe
 import gradcheck
-from conftest import needs_gpu, run_engine
+from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
@@ -34,7 +34,6 @@ import nanoeuler_cuda as nc
 # the CPU engine: nanoeuler.py
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_cli(*args, stdin=None, env_extra=None, timeout=600):
@@ -324,6 +323,7 @@ def test_sample_cli_samples_and_speed_line(one_step_ckpt):
     assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr
     assert [ne.speculation_pays(pl.CONFIGS[n]) for n in ("tiny", "small", "medium", "big")] == [True, True, False, False]
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--top-p", 0), "--top-p 0")
+    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
 
 def test_serve_speculates_per_request_as_sample_does(monkeypatch):
@@ -335,7 +335,6 @@ def test_serve_speculates_per_request_as_sample_does(monkeypatch):
         gen([1], 3, pl.Sampling(0), None)
         gen([1], 3, pl.Sampling(0.7), None)
     assert seen == [True, False, False, False, True, True]
-    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
 
 def test_kv_cache_generation_equals_uncached():
@@ -759,11 +758,6 @@ def run_gpu(*args, timeout=900, env=None):
     return run_engine("nanoeuler_cuda.py", *args, timeout=timeout, env=env)
 
 
-def one_error_line(r):
-    lines = r.stderr.strip().splitlines()
-    return r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:")
-
-
 # ---------------------------------------------------------------- no GPU needed
 
 def test_every_kernel_compiles_with_nvrtc():
@@ -807,8 +801,7 @@ def test_unknown_precision_gives_one_line():
 
 def test_without_cupy_every_mode_says_so(tmp_path):
     """A CuPy that cannot be imported: each mode ends with one line and a non-zero exit."""
-    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
-    env = {"PYTHONPATH": str(tmp_path)}
+    env = no_cupy(tmp_path)
     for args in ([], ["g"], ["t", "--steps", "1"], ["tr"], ["i", "It was"], ["s"], ["c"], ["bench"]):
         r = run_gpu(*args, env=env)
         assert one_error_line(r), (args, r.stdout, r.stderr)

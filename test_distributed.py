@@ -17,15 +17,7 @@ import pytest
 
 import distributed as dist
 import pipeline as pl
-from conftest import GPUS
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def one_error_line(r, *words):
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    ok = r.returncode not in (0, None) and len(lines) == 1 and lines[0].startswith("error: ")
-    return ok and all(w in lines[0] for w in words)
+from conftest import GPUS, ROOT, one_error_line, run_engine
 
 
 def free_port():
@@ -59,10 +51,7 @@ def fake_cupy(tmp_path, gpus):
 
 
 def run_gpu(*args, env=None, timeout=600):
-    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    e.update(PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "nanoeuler_cuda.py"), *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=e)
+    return run_engine("nanoeuler_cuda.py", *args, env=env, timeout=timeout)
 
 
 def test_launcher_mistakes_give_one_error_line(tmp_path):

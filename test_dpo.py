@@ -16,7 +16,7 @@ import pytest
 
 import bpe
 import gradcheck
-from conftest import needs_gpu, run_engine
+from conftest import needs_gpu, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -348,11 +348,10 @@ def test_get_prefs_bad_source_is_one_error_line(tmp_path, source, content):
 
 
 def test_gpu_dpo_mode_without_cupy_is_one_error_line(tmp_path):
-    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
+    env = no_cupy(tmp_path)
     for args, words in ((["d"], "CuPy"), (["dpo", "--steps", "0"], "--steps 0"), (["gradcheck", "--dpo"], "CuPy")):
-        r = run_engine("nanoeuler_cuda.py", *args, env={"PYTHONPATH": str(tmp_path)})
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], r.stderr
+        r = run_engine("nanoeuler_cuda.py", *args, env=env)
+        assert r.returncode == 1 and one_error_line(r, words), r.stderr
     r = run_engine("nanoeuler_cuda.py", "d", "--help")
     assert r.returncode == 0 and "--beta" in r.stdout and "--precision" in r.stdout
 

@@ -12,7 +12,7 @@ import pytest
 
 import bpe
 import evaluate
-from conftest import needs_gpu, run_engine
+from conftest import needs_gpu, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -183,13 +183,11 @@ def test_get_hellaswag_fixture_idempotent_and_bad_source(tmp_path):
 
 
 def test_gpu_engine_eval_without_cupy_and_plot_without_a_gpu(tmp_path):
-    (tmp_path / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
-    env = {"PYTHONPATH": str(tmp_path)}
+    env = no_cupy(tmp_path)
     for args, words in ((["eval"], "CuPy"), (["eval", "--limit", "0"], "--limit"), (["eval", "--task", "bpb"], "--data"),
                         (["plot", tmp_path / "no_run"], "run folder not found")):
         r = run_engine("nanoeuler_cuda.py", *args, env=env)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], r.stderr
+        assert r.returncode == 1 and one_error_line(r, words), r.stderr
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     run.mkdir()
