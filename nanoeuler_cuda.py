@@ -197,6 +197,60 @@ def _blocks(n, threads=256):
     return ((n + threads - 1) // threads,)
 
 
+_launch_ex = None   # [cuLaunchKernelEx, its config and attribute types], or [None] where the driver lacks it
+
+
+def launch(kernel, grid, block, args, shared_mem=0):
+    """kernel<<<grid, block, shared_mem>>>(*args) on the current stream, as a programmatic dependent launch:
+    the kernel may start while the stream's previous kernel still runs, and must dep_wait() (COMMON) before
+    it reads what that kernel writes. The decode step's kernels start early to load their weights. Where
+    cuLaunchKernelEx is missing, a plain launch: the same results, without the overlap. args: CuPy arrays,
+    numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed)."""
+    global _launch_ex
+    if _launch_ex is None:
+        import ctypes
+        _launch_ex = [None]
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+
+            class Attr(ctypes.Structure):   # CUlaunchAttribute: an id, then a 64-byte value union
+                _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("val", ctypes.c_int),
+                            ("rest", ctypes.c_char * 60)]
+
+            class Config(ctypes.Structure):   # CUlaunchConfig
+                _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                            ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attr)), ("nattrs", ctypes.c_uint)]
+            fn = lib.cuLaunchKernelEx
+            fn.argtypes = [ctypes.POINTER(Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            attr = Attr(id=6, val=1)          # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1
+            _launch_ex = [fn, Config, attr, ctypes]
+        except (OSError, AttributeError):
+            pass
+    fn, Config, attr, ctypes = (_launch_ex + [None] * 3)[:4]
+    if fn is None:
+        return kernel(grid, block, args, shared_mem=shared_mem)
+    c = {np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.int64: ctypes.c_longlong}
+    vals = [ctypes.c_void_p(a.data.ptr) if hasattr(a, "data") and hasattr(a.data, "ptr") else c[type(a)](a)
+            for a in args]
+    ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    cfg = Config((ctypes.c_uint * 3)(*g), (ctypes.c_uint * 3)(*b), shared_mem, cp.cuda.get_current_stream().ptr,
+                 ctypes.pointer(attr), 1)
+    err = fn(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), ptrs, None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with error {err}")
+
+
+def shared_memory(kernel, smem):
+    """Lets kernel take smem bytes of dynamic shared memory, and asks for the largest shared-memory carveout:
+    an SM set up for one small kernel's blocks cannot take the next kernel's beside them, so the decode
+    step's kernels would not start early (a big decode step: 362 -> 298 us). Only raised: a captured
+    graph keeps its launches."""
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+        kernel.preferred_shared_memory_carveout = 100      # percent of the unified L1/shared memory
+
+
 def bf16_bits(a):
     """Host: float -> bf16 bits (uint16), round to nearest even, as the device's cvt.rn does."""
     u = np.ascontiguousarray(a, np.float32).view(np.uint32)
@@ -236,6 +290,31 @@ template <bool MAX> __device__ float block_reduce(float v) {
 }
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
+// Programmatic dependent launch (sm_90; no-ops before it). A kernel launched by launch(..., pdl=True) may
+// start while the stream's previous kernel still runs: what it does before dep_wait() must read nothing
+// that an earlier kernel of the stream writes (the decode step's weights, never its activations).
+// dep_trigger() lets the next kernel start now, so that its loads overlap this kernel.
+__device__ __forceinline__ void dep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void dep_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// cp.async (sm_80+): 16-byte (or 4-byte) global -> shared copies without registers; src_bytes = 0 writes
+// zeros (the flash kernels' rows past T). fb_wait<N>: all but the N newest committed groups have landed.
+__device__ __forceinline__ unsigned fb_sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void fb_cp16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void fb_cp4(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void fb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fb_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 // bf16 as its bits (no cuda_bf16.h: NVRTC without CUDA's include folder compiles this too). Conversions
 // round to nearest even (cvt.rn); arithmetic is always fp32. x2: two adjacent elements in one 32-bit word,
 // the lower column in the low half.
@@ -280,6 +359,7 @@ template <int VEC> __device__ __forceinline__ void stbf(bf16* p, const float* f)
 EMBED_SRC = r"""
 extern "C" __global__ void embed_fwd(const float* __restrict__ emb, const int* __restrict__ idx,
                                      float* __restrict__ x, int D) {
+    dep_trigger();                                        // (generation: the first layer's weights load now)
     const float* e = emb + (i64)idx[blockIdx.x] * D;
     float* o = x + (i64)blockIdx.x * D;
     for (int c = threadIdx.x; c < D; c += blockDim.x) o[c] = e[c];
@@ -1156,18 +1236,6 @@ def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
 # (Measured on an H200, B=16 T=512 Hq/Hkv=12/4 hd=64: fwd+bwd 0.19 ms against 1.29 for the fp32 kernel.)
 
 FLASH_BF16_SRC = r"""
-__device__ __forceinline__ unsigned fb_sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-// cp.async: 16-byte (or 4-byte) global -> shared copy; src_bytes = 0 writes zeros (rows past T)
-__device__ __forceinline__ void fb_cp16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void fb_cp4(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void fb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fb_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
-
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l/8, row l%8
 __device__ __forceinline__ void fb_ldm4(unsigned r[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -1749,8 +1817,11 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     state[0] on the device: the host never passes a position by value, so one captured CUDA graph serves
 #     every step. state = [pos, step, ids of the step's rows...].
 #     A decode step's layer is five kernels: matvec's RMSNorm-qkv-RoPE-append (the rotated k and v go into the
-#     caches), attn_cached (one block per row, kv head and stream, over keys 0 .. pos + t), matvec adding the
-#     attention's projection to the residual, matvec's RMSNorm-w1|w3-SwiGLU, and matvec adding w2's product.
+#     caches), attn_cached (one block per row, query head and stream, over keys 0 .. pos + t), matvec adding
+#     the attention's projection to the residual, matvec's RMSNorm-w1|w3-SwiGLU, and matvec adding w2's
+#     product. They are launched as programmatic dependent launches (launch()): each starts while the one
+#     before it runs and loads its weights (or the cached keys) into shared memory, then waits for its
+#     input, so the step is a chain of short waits rather than of loads (big: 1,800 -> 3,360 tokens/s).
 #     More rows (a prompt, a batch of streams) take cuBLAS and rope_store. sample_tokens draws each stream's
 #     next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each row's
 #     result depends on that row alone, never on how many rows the step has: a verify step of speculative
@@ -1793,85 +1864,99 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
     rope_append(r[hh * hd + i], r[hh * hd + i + half], r, hh, i, n / rows, state[0] + n % rows, cosv, sinv, kc, vc,
                 Hq, Hkv, hd, ctx);
 }
-// One block (ATTN_THREADS, 512 threads) per (row, kv head, stream) over keys 0 .. pos + t, for the G <= 4 query heads that
-// share the kv head (each key and value is loaded once for all of them): a thread per key for the G
-// scores (16-byte loads of the key, all in flight: HD is a compile-time constant; the queries in shared
-// memory), then blockDim / (HD/4) groups of HD/4 threads, group g summing the values of keys g, g + groups, ..
-// 16 bytes a thread for the G heads; the groups' partial sums are added in a fixed order.
+// One block (ATTN_THREADS = 256) per (row, query head, stream) over keys 0 .. pos + t of the head's kv head,
+// in chunks of CH keys (attn_cached() picks CH) staged in shared memory by cp.async: the first chunk's
+// keys before pos (written by earlier steps) before dep_wait, so they load while the previous kernel runs;
+// the new rows after it. Per chunk: two threads score each key (alternate 16-byte pieces: no bank
+// conflicts; rows padded by 8 floats); every warp finds the same chunk max and sum (online softmax across
+// chunks) and warp 0 writes p = exp(s - m); thread (d, r) sums output d over the keys k = r mod KG, and the
+// KG partial sums of each d are added by shuffles at the end. A row's result depends on CH, never on how
+// many rows or streams the step has.
 template <int HD> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
-        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale) {
-    extern __shared__ __align__(16) float sm[];          // [G][ctx] scores, then probabilities; [G][HD] q; partials
-    __shared__ float zs[4];
-    constexpr int D4 = HD / 4;
-    const int KG = blockDim.x / D4;
-    const int t = blockIdx.x, j = blockIdx.y, b = blockIdx.z, G = Hq / Hkv, nk = state[0] + t + 1, tid = threadIdx.x;
+        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int CH) {
+    constexpr int NT = 256, KS = HD + 8, D4 = HD / 4, KG = NT / HD;
+    extern __shared__ __align__(16) float sm[];           // [CH][KS] keys, [CH][KS] values, [CH] scores, [CH] p
+    __shared__ __align__(16) float qs[HD];
+    float* ks = sm;
+    float* vs = ks + CH * KS;
+    float* sc = vs + CH * KS;
+    float* pr = sc + CH;
+    const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, j = h / (Hq / Hkv), tid = threadIdx.x, lane = tid & 31;
     const i64 n = (i64)b * rows + t;
-    const int Cq = Hq * HD, S = Cq + 2 * Hkv * HD;
-    float* sc = sm;
-    float* qs = sm + G * ctx;
-    float4* part = reinterpret_cast<float4*>(qs + G * HD);  // [KG][G][D4]
-    for (int e = tid; e < G * HD; e += blockDim.x) qs[e] = qkv[n * S + (i64)j * G * HD + e];
-    __syncthreads();
-    const float4* q4 = reinterpret_cast<const float4*>(qs);
+    const int Cq = Hq * HD, old = state[0];              // keys before old: earlier steps'
     const float* K = kc + ((i64)b * Hkv + j) * ctx * HD;
     const float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD;
-    float m[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
-    for (int k = tid; k < nk; k += blockDim.x) {
-        const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * HD);
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int d = 0; d < D4; d++) {
-            const float4 c = __ldg(kr + d);
-#pragma unroll
-            for (int g = 0; g < 4; g++)
-                if (g < G) { const float4 a = q4[g * D4 + d]; s[g] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w; }
+    auto stage = [&](int k0, int k1, int c0) {          // keys k0 .. k1-1 of the chunk that starts at c0
+        for (int i = tid; i < (k1 - k0) * D4; i += NT) {
+            const int k = k0 + i / D4, d = 4 * (i % D4);
+            fb_cp16(ks + (k - c0) * KS + d, K + (i64)k * HD + d, 16);
+            fb_cp16(vs + (k - c0) * KS + d, Vv + (i64)k * HD + d, 16);
         }
+        fb_commit();
+    };
+    stage(0, min(old, CH), 0);
+    dep_trigger();
+    dep_wait();
+    const int nk = old + t + 1, d = tid / KG, r = tid % KG;
+    if (tid < HD) qs[tid] = qkv[n * (Cq + 2 * Hkv * HD) + (i64)h * HD + tid] * scale;
+    float m = NEG_INF, l = 0.f, acc = 0.f;
+    for (int c0 = 0; c0 < nk; c0 += CH) {
+        const int nc = min(nk - c0, CH);
+        stage(c0 == 0 ? min(old, CH) : c0, c0 + nc, c0);
+        fb_wait<0>();
+        __syncthreads();
+        for (int i0 = 0; i0 < 2 * nc; i0 += NT) {        // scores: threads 2k, 2k+1 take key k's pieces
+            const int i = i0 + tid, k = i >> 1, half = i & 1;
+            float s0 = 0.f, s1 = 0.f;
+            if (k < nc) {
+                const float4* kr = reinterpret_cast<const float4*>(ks + k * KS);
+                const float4* q4 = reinterpret_cast<const float4*>(qs);
 #pragma unroll
-        for (int g = 0; g < 4; g++)
-            if (g < G) { sc[g * ctx + k] = s[g] * scale; m[g] = fmaxf(m[g], s[g] * scale); }
-    }
-    float z[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int g = 0; g < 4; g++) if (g < G) m[g] = block_max(m[g]);
-    for (int k = tid; k < nk; k += blockDim.x) {
-#pragma unroll
-        for (int g = 0; g < 4; g++)
-            if (g < G) { const float e = expf(sc[g * ctx + k] - m[g]); sc[g * ctx + k] = e; z[g] += e; }
-    }
-#pragma unroll
-    for (int g = 0; g < 4; g++) if (g < G) z[g] = block_sum(z[g]);   // its barrier also publishes sc[]
-    if (tid == 0) for (int g = 0; g < G; g++) zs[g] = z[g];
-    const int kg = tid / D4, d4 = tid % D4;
-    float4 acc[4];
-#pragma unroll
-    for (int g = 0; g < 4; g++) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int k = kg; k < nk; k += KG) {
-        const float4 v = __ldg(reinterpret_cast<const float4*>(Vv + (i64)k * HD) + d4);
-#pragma unroll
-        for (int g = 0; g < 4; g++)
-            if (g < G) {
-                const float pk = sc[g * ctx + k];
-                acc[g].x += pk * v.x; acc[g].y += pk * v.y; acc[g].z += pk * v.z; acc[g].w += pk * v.w;
+                for (int e = half; e < D4; e += 2) {
+                    const float4 a = q4[e], c = kr[e];
+                    s0 += a.x * c.x + a.y * c.y;
+                    s1 += a.z * c.z + a.w * c.w;
+                }
             }
+            float s = s0 + s1;
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            if (k < nc && half == 0) sc[k] = s;
+        }
+        __syncthreads();
+        float mx = NEG_INF;                               // every warp: the same max and sum, same order
+        for (int k = lane; k < nc; k += 32) mx = fmaxf(mx, sc[k]);
+        const float mn = fmaxf(m, warp_max(mx)), scl = expf(m - mn);
+        float z = 0.f;
+        for (int k = lane; k < nc; k += 32) {
+            const float p = expf(sc[k] - mn);
+            z += p;
+            if (tid < 32) pr[k] = p;
+        }
+        l = l * scl + warp_sum(z);
+        m = mn;
+        __syncthreads();
+        float o0 = 0.f, o1 = 0.f;                          // output d over keys r, r + KG, ..
+        int k = r;
+        for (; k + KG < nc; k += 2 * KG) {
+            o0 += pr[k] * vs[k * KS + d];
+            o1 += pr[k + KG] * vs[(k + KG) * KS + d];
+        }
+        if (k < nc) o0 += pr[k] * vs[k * KS + d];
+        acc = acc * scl + (o0 + o1);
+        __syncthreads();                                  // the next chunk overwrites the keys and values
     }
 #pragma unroll
-    for (int g = 0; g < 4; g++) if (g < G) part[(kg * G + g) * D4 + d4] = acc[g];
-    __syncthreads();
-    const float* pf = reinterpret_cast<const float*>(part);
-    for (int e = tid; e < G * HD; e += blockDim.x) {
-        const int g = e / HD, d = e % HD;
-        float o = 0.f;
-        for (int i = 0; i < KG; i++) o += pf[(i * G + g) * HD + d];
-        out[n * Cq + ((i64)j * G + g) * HD + d] = o / zs[g];
-    }
+    for (int o = 1; o < KG; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (r == 0) out[n * Cq + (i64)h * HD + d] = acc / l;
 }
-// The decode step's products, for its few rows (R <= 16): out = EPI(x' @ W^T), x (R, K), W (N, K), and x'
-// = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation. A unit
-// of work is two of W's rows c1, c2, taken by PARTS warps that split K (16-byte loads, K % 4 == 0), 8 /
-// PARTS units a block of 8 warps, 8 rows of x at a time; the PARTS partial sums are added in a fixed
-// order. PARTS depends on W's shape alone (matvec()), so each row's result is the same for any R. EPI:
+// The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
+// and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
+// A unit of work is two of W's rows c1, c2. Block b owns units b*UPB ..: it copies their rows into shared
+// memory (cp.async) before dep_wait, so the weights stream in while the previous kernel runs; then x', 8
+// rows at a time, into shared memory, and its warps take (unit, part) tasks in turn: PARTS warps split a
+// unit's K (16-byte pieces, K % 4 == 0), their partial sums added in a fixed order. UPB and PARTS depend on
+// W's shape alone (matvec_plan()), so each row's result is the same for any R. EPI:
 //   OUT   units (c, c + N/2): out (R, N) = the product;  ADD the same, out += it (the residual, in place);
 //   GLU   W = [w1; w3] (N = 2F), units (f, f + F): out (R, F) = silu(s1) * s2, SwiGLU's activation;
 //   ROPE  W = [wq; wk; wv], units (i, i + hd/2) of each head: out = qkv with its q and k heads rotated at
@@ -1879,38 +1964,57 @@ template <int HD> __device__ void attn_cached_body(
 enum { OUT = 0, ADD = 1, GLU = 2, ROPE = 3 };
 template <int EPI, int PARTS> __device__ void matvec_rows(
         float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ W,
-        const float* __restrict__ nw, int R, int K, int N, const int* __restrict__ state,
+        const float* __restrict__ nw, int R, int K, int N, int UPB, const int* __restrict__ state,
         const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc,
         float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {
     constexpr bool NORM = EPI != ADD;
-    constexpr int UB = 8 / PARTS;                          // units per block
-    __shared__ float red[2][8][8];                        // [sum][warp][row of the group]
-    __shared__ float rs[16];                              // each row's rstd
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % PARTS, K4 = K >> 2, U = N / 2;
-    const int half = hd / 2;
+    extern __shared__ __align__(16) float4 sm4[];         // [nu][2][K4] W's rows, [K4] nw, [<= 8][K4] x'
+    __shared__ float red[2][8][8];                        // [sum][task][row of the group]
+    __shared__ float rs[64];                              // each row's rstd
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K4 = K >> 2, U = N / 2, half = hd / 2;
+    const int u0 = blockIdx.x * UPB, nu = min(UPB, U - u0);
     auto cols = [&](int u, int& c1, int& c2) {
         if (EPI == ROPE) { c1 = (u / half) * hd + u % half; c2 = c1 + half; }
         else { c1 = u; c2 = u + U; }
     };
-    if (NORM) {                                           // the same sums, in the same order, in every block
+    float4* ws = sm4;
+    float4* nws = ws + UPB * 2 * K4;                      // (NORM) the norm's weights
+    float4* xs = nws + (NORM ? K4 : 0);
+    for (int i = threadIdx.x; i < nu * 2 * K4; i += blockDim.x) {
+        const int u = i / (2 * K4), k = i % K4;
+        int c1, c2;
+        cols(u0 + u, c1, c2);
+        fb_cp16(ws + i, W + (i64)((i / K4) & 1 ? c2 : c1) * K + 4 * k, 16);
+    }
+    if (NORM) for (int k = threadIdx.x; k < K4; k += blockDim.x) fb_cp16(nws + k, nw + 4 * k, 16);
+    fb_commit();
+    dep_trigger();
+    dep_wait();
+    // ADD with PARTS > 1: the combining thread (u, r) of rows 0..7 loads its residual pair now, not after the sums
+    const int pu = threadIdx.x >> 3, pr = threadIdx.x & 7;
+    const bool pre = EPI == ADD && PARTS > 1 && pu < nu && pr < R;
+    float pre1 = 0.f, pre2 = 0.f;
+    if (pre) {
+        int a, c;
+        cols(u0 + pu, a, c);
+        pre1 = out[(i64)pr * N + a];
+        pre2 = out[(i64)pr * N + c];
+    }
+    if (NORM) {                  // the same sums, in the same order, in every block; rows 0..7 kept raw in xs
         for (int r = warp; r < R; r += 8) {
             const float4* xr = reinterpret_cast<const float4*>(x + (i64)r * K);
             float ss = 0.f;
             for (int k = lane; k < K4; k += 32) {
-                const float4 v = __ldg(xr + k);
+                const float4 v = xr[k];
+                if (r < 8) xs[r * K4 + k] = v;
                 ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             ss = warp_sum(ss);
             if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + 1e-5f);
         }
-        __syncthreads();
     }
-    const int unit = blockIdx.x * UB + warp / PARTS;
-    int c1, c2;
-    cols(min(unit, U - 1), c1, c2);
-    const float4* w1 = reinterpret_cast<const float4*>(W + (i64)c1 * K);
-    const float4* w2 = reinterpret_cast<const float4*>(W + (i64)c2 * K);
-    const float4* n4 = reinterpret_cast<const float4*>(nw);
+    fb_wait<0>();
+    __syncthreads();
     auto epilogue = [&](int r, int u, float s1, float s2) {
         int a, c;
         cols(u, a, c);
@@ -1923,46 +2027,59 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
                         ctx);
     };
     for (int r0 = 0; r0 < R; r0 += 8) {
-        float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (unit < U) {
+        const int nr = min(8, R - r0);
+        for (int i = threadIdx.x; i < nr * K4; i += blockDim.x) {     // x' of rows r0 .. r0 + nr - 1
+            const int r = i / K4, k = i % K4;
+            float4 v = r0 == 0 && NORM ? xs[i] : reinterpret_cast<const float4*>(x + (i64)(r0 + r) * K)[k];
+            if (NORM) {
+                const float s = rs[r0 + r];
+                const float4 g = nws[k];
+                v = make_float4(v.x * s * g.x, v.y * s * g.y, v.z * s * g.z, v.w * s * g.w);
+            }
+            xs[i] = v;
+        }
+        __syncthreads();
+        for (int task = warp; task < nu * PARTS; task += 8) {
+            const int u = task / PARTS, part = task % PARTS;
+            const float4* w1 = ws + 2 * u * K4;
+            const float4* w2 = w1 + K4;
+            float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
             for (int k = part * 32 + lane; k < K4; k += 32 * PARTS) {
-                const float4 u = __ldg(w1 + k), v = __ldg(w2 + k);
-                float4 g = make_float4(1.f, 1.f, 1.f, 1.f);
-                if (NORM) g = __ldg(n4 + k);
+                const float4 uu = w1[k], vv = w2[k];
 #pragma unroll
                 for (int r = 0; r < 8; r++) {
-                    if (r0 + r < R) {
-                        float4 xv = __ldg(reinterpret_cast<const float4*>(x + (i64)(r0 + r) * K) + k);
-                        if (NORM) {
-                            const float s = rs[r0 + r];
-                            xv = make_float4(xv.x * s * g.x, xv.y * s * g.y, xv.z * s * g.z, xv.w * s * g.w);
-                        }
-                        a1[r] += u.x * xv.x + u.y * xv.y + u.z * xv.z + u.w * xv.w;
-                        a2[r] += v.x * xv.x + v.y * xv.y + v.z * xv.z + v.w * xv.w;
+                    if (r < nr) {
+                        const float4 xv = xs[r * K4 + k];
+                        a1[r] += uu.x * xv.x + uu.y * xv.y + uu.z * xv.z + uu.w * xv.w;
+                        a2[r] += vv.x * xv.x + vv.y * xv.y + vv.z * xv.z + vv.w * xv.w;
                     }
                 }
             }
-        }
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            if (r0 + r < R) {                             // the same for the whole block
-                const float s1 = warp_sum(a1[r]), s2 = warp_sum(a2[r]);
-                if (PARTS == 1 && lane == 0 && unit < U) epilogue(r0 + r, unit, s1, s2);
-                if (PARTS > 1 && lane == 0) { red[0][warp][r] = s1; red[1][warp][r] = s2; }
-            }
-        }
-        if (PARTS > 1) {
-            __syncthreads();
-            if (threadIdx.x < 8 * UB) {
-                const int ub = threadIdx.x >> 3, r = threadIdx.x & 7, u = blockIdx.x * UB + ub;
-                if (u < U && r0 + r < R) {
-                    float s1 = red[0][ub * PARTS][r], s2 = red[1][ub * PARTS][r];
-                    for (int q = 1; q < PARTS; q++) { s1 += red[0][ub * PARTS + q][r]; s2 += red[1][ub * PARTS + q][r]; }
-                    epilogue(r0 + r, u, s1, s2);
+            for (int r = 0; r < 8; r++) {
+                if (r < nr) {                             // the same for the whole warp
+                    const float s1 = warp_sum(a1[r]), s2 = warp_sum(a2[r]);
+                    if (PARTS == 1 && lane == 0) epilogue(r0 + r, u0 + u, s1, s2);
+                    if (PARTS > 1 && lane == 0) { red[0][task][r] = s1; red[1][task][r] = s2; }
                 }
             }
-            __syncthreads();
+        }
+        __syncthreads();                                  // xs is rewritten next; red is complete
+        if (PARTS > 1 && threadIdx.x < 8 * nu) {          // nu * PARTS <= 8 tasks: one a warp
+            const int u = threadIdx.x >> 3, r = threadIdx.x & 7;
+            if (r < nr) {
+                float s1 = red[0][u * PARTS][r], s2 = red[1][u * PARTS][r];
+                for (int q = 1; q < PARTS; q++) { s1 += red[0][u * PARTS + q][r]; s2 += red[1][u * PARTS + q][r]; }
+                if (pre && r0 == 0) {                     // out += the sums, the residual loaded early
+                    int a, c;
+                    cols(u0 + u, a, c);
+                    out[(i64)r * N + a] = pre1 + s1;
+                    out[(i64)r * N + c] = pre2 + s2;
+                } else {
+                    epilogue(r0 + r, u0 + u, s1, s2);
+                }
+            }
         }
     }
 }
@@ -2020,6 +2137,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
         float temperature, int top_k, float top_p, float penalty) {
     extern __shared__ __align__(16) float sm[];
+    dep_trigger();
+    dep_wait();
     float* sv = sm;                                       // [Vp] keys, sorted in place
     int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
     float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
@@ -2093,6 +2212,8 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
 }
 // greedy speculative decoding: the first argmax of each head at each row; one block per (row, head)
 extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V, int* __restrict__ out) {
+    dep_trigger();
+    dep_wait();
     const float* z = logits + (i64)blockIdx.x * V;
     float bv = NEG_INF;
     int bi = 0x7fffffff;
@@ -2101,23 +2222,24 @@ extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V,
     if (threadIdx.x == 0) out[blockIdx.x] = bi;
 }
 extern "C" __global__ void advance(int* state, int dpos, int dstep) {
+    dep_wait();
     state[0] += dpos;
     state[1] += dstep;
 }
 """
 ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
-ATTN_THREADS = 512                    # its block
+ATTN_THREADS = 256                    # its block (the kernel's NT)
 MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
 INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
     [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}(const float* __restrict__ qkv, const float* '
      f'__restrict__ kc, const float* __restrict__ vc, float* __restrict__ out, const int* __restrict__ state, int rows, '
-     f'int Hq, int Hkv, int ctx, float scale) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, ctx, '
-     f'scale); }}\n' for hd in ATTN_CACHED_HD] +
+     f'int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, '
+     f'ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD] +
     [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
-     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, const int* '
-     f'__restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc, '
-     f'float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, {parts}>(out, x, W, '
-     f'nw, R, K, N, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
+     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
+     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
+     f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
+     f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
      for parts in (1, 2, 4, 8) for e, epi in enumerate(MATVEC_EPI)])
 
 
@@ -2128,13 +2250,14 @@ def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
 
 
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
-    R, ctx, G = qkv.shape[0], kc.shape[2], Hq // Hkv
-    assert hd in ATTN_CACHED_HD and R % rows == 0 and G <= 4, (hd, R, rows, G)
-    smem = G * (ctx + hd + 4 * ATTN_THREADS) * 4           # scores, queries, the groups' partial sums
+    R, ctx = qkv.shape[0], kc.shape[2]
+    assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
+    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else 64  # keys a chunk: a few blocks, or many that share SMs
+    smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
     k = _k(f"attn_cached_{hd}")
-    k.max_dynamic_shared_size_bytes = smem                 # over 48 KB for G = 4 and a context of 1024
-    k((rows, Hkv, R // rows), (ATTN_THREADS,), (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx),
-                                                F32(1.0 / math.sqrt(hd))), shared_mem=smem)
+    shared_memory(k, smem)
+    launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
+           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)), shared_mem=smem)
 
 
 MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
@@ -2172,14 +2295,19 @@ def sgemm_nt(C, A, W, beta=0.0, tf32=False):
         raise RuntimeError(f"cublasGemmEx failed with status {err}")
 
 
-def matvec_parts(U, K):
-    """Warps splitting each unit's K (a unit: two of W's rows): the fewest that give ~2,048 warps (16 per SM
-    of an H200), while each lane still loads a 16-byte piece. A function of W's shape alone: the sum order
-    never depends on R."""
+MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks of consecutive kernels share an SM
+
+
+def matvec_plan(U, K, sms=None):
+    """(units a block, warps splitting a unit's K) for W's U units of two rows of K: the units spread over
+    the device's SMs, at most MATVEC_SMEM of W a block; a block's 8 warps split each unit's K where it has
+    fewer than 8 units. A function of W's shape (and the device) alone: the sum order never depends on R."""
+    sms = sms or cp.cuda.Device().attributes["MultiProcessorCount"]
+    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K)))
     parts = 1
-    while parts < 8 and U * parts < 2048 and K // 4 >= 64 * parts:
+    while parts * 2 * upb <= 8 and K // 4 >= 32 * parts * 2:
         parts *= 2
-    return parts
+    return upb, parts
 
 
 def matvec(out, x, W, epi="out", norm=None, rope=None):
@@ -2192,10 +2320,14 @@ def matvec(out, x, W, epi="out", norm=None, rope=None):
     assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
     kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
-    parts = matvec_parts(N // 2, K)
-    _k(f"matvec_{epi}_p{parts}")((-(-N // 2 * parts // 8),), (256,),
-                                 (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), state, cos, sin,
-                                  kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd), I32(kc.shape[2] if rope else 0)))
+    upb, parts = matvec_plan(N // 2, K)
+    k = _k(f"matvec_{epi}_p{parts}")
+    smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
+    assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
+    shared_memory(k, smem)
+    launch(k, (-(-N // 2 // upb),), (256,), (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb),
+                                             state, cos, sin, kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd),
+                                             I32(kc.shape[2] if rope else 0)), shared_mem=smem)
 
 
 def sample_tokens(logits, seen, uni, state, tokens, sampling):
@@ -2204,15 +2336,20 @@ def sample_tokens(logits, seen, uni, state, tokens, sampling):
     Vp = 1 << max(V - 1, 1).bit_length()
     smem = (2 * Vp + V) * 4
     k = _k("sample_tokens")
-    k.max_dynamic_shared_size_bytes = smem         # with its static shared memory, over 48 KB from V = 4096
-    k((streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
-                            F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
-                            F32(sampling.repetition_penalty)), shared_mem=smem)
+    shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
+    launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
+                                    F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
+                                    F32(sampling.repetition_penalty)), shared_mem=smem)
+
+
+def advance(state, dpos, dstep):
+    """state[0] += dpos (the position), state[1] += dstep (the step)"""
+    launch(_k("advance"), (1,), (1,), (state, I32(dpos), I32(dstep)))
 
 
 def argmax_heads(logits, V, out):
     """out[r * heads + k] = the first argmax of head k's logits at row r; logits (R, heads * V)."""
-    _k("argmax_heads")((logits.size // V,), (256,), (logits, I32(V), out))
+    launch(_k("argmax_heads"), (logits.size // V,), (256,), (logits, I32(V), out))
 
 
 # --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
@@ -3012,10 +3149,9 @@ class Sampler:
             dp.upload(P)
             P = dp
         cfg = self.cfg = P.cfg
-        if cfg.head_dim not in ATTN_CACHED_HD or cfg.n_heads > 4 * cfg.n_kv_heads:
-            raise UserError(f"GPU generation takes head dims {', '.join(map(str, ATTN_CACHED_HD))} and up to 4 query "
-                            f"heads a kv head; this model has {cfg.head_dim} and {cfg.n_heads // cfg.n_kv_heads}: "
-                            "generate with nanoeuler.py")
+        if cfg.head_dim not in ATTN_CACHED_HD:
+            raise UserError(f"GPU generation takes head dims {', '.join(map(str, ATTN_CACHED_HD))}; this model has "
+                            f"{cfg.head_dim}: generate with nanoeuler.py")
         self.P, self.streams, self.graphs = P, streams, graphs
         ctx, D, F, L, V, K = cfg.ctx, cfg.dim, cfg.ffn, cfg.n_layers, cfg.vocab, cfg.n_mtp
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -3164,22 +3300,30 @@ class Sampler:
             if sampling.temperature > 0:         # the numbers the CPU engine draws, in its order
                 self.uni[:n * streams].set(rng.random(n * streams).astype(np.float32), stream=self.stream)
             sample_tokens(self._lg(streams, 1), self.seen[:streams], self.uni, self.state, self.tokens, sampling)
-            _k("advance")((1,), (1,), (self.state, I32(len(ids)), I32(1)))
-        done, made = 0, 1
-        while done < n:
-            with self._on_stream():
-                for _ in range(min(GEN_CHUNK, n - made)):
-                    self._run(key, lambda: self._decode_step(streams, sampling))
-                    made += 1
-                out = self._host(self.tokens[done * streams:], self._tokens_h, (made - done) * streams)
-            yield out.reshape(made - done, streams).copy()
-            done = made
+            advance(self.state, len(ids), 1)
+        made, queued, chunks = 1, 0, []          # steps made; steps whose copy is queued; chunks not yet read
+        while True:
+            with self._on_stream():              # a chunk stays queued behind the one read: the device never idles
+                while len(chunks) < 2 and queued < n:
+                    for _ in range(min(GEN_CHUNK, n - made)):
+                        self._run(key, lambda: self._decode_step(streams, sampling))
+                        made += 1
+                    cp.cuda.runtime.memcpyAsync(self._tokens_h.ctypes.data + queued * streams * 4,
+                                                self.tokens.data.ptr + queued * streams * 4,
+                                                (made - queued) * streams * 4, 2, self.stream.ptr)   # to the host
+                    chunks.append((self.stream.record(), queued, made))
+                    queued = made
+            if not chunks:
+                break
+            ev, lo, hi = chunks.pop(0)
+            ev.synchronize()
+            yield self._tokens_h[lo * streams:hi * streams].reshape(hi - lo, streams).copy()
         self.pos = len(ids) + n - 1
 
     def _decode_step(self, streams, sampling):
         self._forward(1, streams, 1)
         sample_tokens(self._lg(streams, 1), self.seen[:streams], self.uni, self.state, self.tokens, sampling)
-        _k("advance")((1,), (1,), (self.state, I32(1), I32(1)))
+        advance(self.state, 1, 1)
 
     # --- speculative decoding ---
     def forward(self, ids, argmax=False):
@@ -3785,17 +3929,17 @@ def selftest_generation(rng, randn, tol):
                              cp.asnumpy(vc2[:, :, 7:10]).transpose(0, 2, 1, 3).reshape(ns * 3, Ck)], 1)
     R.append(("  its k and v appended to the caches (bitwise)", float(np.abs(cached - cp.asnumpy(g[:, Cq:])).max()), 0.0))
     for K in (200, 2048):                                # one warp a unit; 8 warps splitting K
-        x, W, nw, x0 = randn(11, K), randn(70, K), randn(K) * 0.5 + 1, randn(11, 70)
+        x, W, nw, x0 = randn(MATVEC_ROWS, K), randn(70, K), randn(K) * 0.5 + 1, randn(MATVEC_ROWS, 70)
         h = ne.rmsnorm_forward(x, nw)[0]
-        tag = f"matvec K={K} ({matvec_parts(35, K)} warps a unit)"
-        for epi, norm, want, shape in (("out", nw, h @ W.T, (11, 70)), ("add", None, x0 + x @ W.T, (11, 70)),
-                                       ("glu", nw, ne.swiglu_forward(h @ W.T), (11, 35))):
-            o11, o1 = (_d(x0) if epi == "add" else _nan(*shape)), (_d(x0[5:6]) if epi == "add" else _nan(1, shape[1]))
+        tag = f"matvec K={K} ({matvec_plan(35, K)[1]} warps a unit)"
+        for epi, norm, want, shape in (("out", nw, h @ W.T, 70), ("add", None, x0 + x @ W.T, 70),
+                                       ("glu", nw, ne.swiglu_forward(h @ W.T), 35)):
+            big, one = (_d(x0) if epi == "add" else _nan(MATVEC_ROWS, shape)), (_d(x0[11:12]) if epi == "add" else _nan(1, shape))
             nd = None if norm is None else _d(norm)
-            matvec(o11, _d(x), _d(W), epi, nd)
-            matvec(o1, _d(x[5:6]), _d(W), epi, nd)
-            R.append((f"{tag} '{epi}', 11 rows", rel_err(o11, want), tol))
-            R.append((f"{tag} '{epi}': row 5 of 11 == row alone (bitwise)", float(cp.abs(o11[5] - o1[0]).max()), 0.0))
+            matvec(big, _d(x), _d(W), epi, nd)
+            matvec(one, _d(x[11:12]), _d(W), epi, nd)
+            R.append((f"{tag} '{epi}', {MATVEC_ROWS} rows", rel_err(big, want), tol))
+            R.append((f"{tag} '{epi}': row 11 of {MATVEC_ROWS} == row alone (bitwise)", float(cp.abs(big[11] - one[0]).max()), 0.0))
     for name in ("tiny", "small"):                       # the whole decode step against float64
         P = gradcheck_params(pl.CONFIGS[name], rng, scale=0.3)
         P64, smp = P.astype(np.float64), Sampler(P)
@@ -3820,7 +3964,7 @@ def selftest_generation(rng, randn, tol):
         for t in range(steps):
             lg = _d(logits[t])
             sample_tokens(lg, seen, _d(uni).astype(np.float32), state, tokens, sampling)
-            _k("advance")((1,), (1,), (state, I32(1), I32(1)))
+            advance(state, 1, 1)
             for r in range(ns):
                 u = iter([float(np.float32(uni[t * ns + r]))])
                 tk = sampling.sample(logits[t, r], hist[r], type("U", (), {"random": lambda self: next(u)})())
