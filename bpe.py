@@ -236,12 +236,15 @@ class Tokenizer:
     # -- decoding --------------------------------------------------------------------------------
 
     def decode_bytes(self, ids):
-        """Raw bytes of ids, for streaming: feed them to an incremental UTF-8 decoder, which holds
-        back a character cut between tokens. Unknown ids become U+FFFD."""
+        """Raw bytes of ids; unknown ids become U+FFFD."""
         return b"".join([self.token_bytes.get(i, b"\xef\xbf\xbd") for i in ids])
 
     def decode(self, ids):
         return self.decode_bytes(ids).decode("utf-8", "replace")
+
+    def stream(self):
+        """A decoder of ids one at a time, for printing text as it is generated: see TextStream."""
+        return TextStream(self)
 
     # -- serialisation ---------------------------------------------------------------------------
     # Line 1: the format header; line 2: JSON {"vocab_size", "specials"}; then one merge per line,
@@ -292,6 +295,20 @@ class Tokenizer:
             return cls.from_string(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+class TextStream:
+    """text(id) -> the characters that id completes (a character cut between tokens waits for its last
+    byte); end() -> what is left, an unfinished character as U+FFFD."""
+
+    def __init__(self, tok):
+        self.tok, self.decoder = tok, codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def text(self, t):
+        return self.decoder.decode(self.tok.decode_bytes([t]))
+
+    def end(self):
+        return self.decoder.decode(b"", final=True)
 
 
 # ----------------------------------------------------------------------------------------------

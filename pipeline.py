@@ -14,7 +14,6 @@ Sections: errors | config | parameters | objective and schedule | data | checkpo
 SFT | DPO | chat | training | command line.
 """
 import argparse
-import codecs
 import difflib
 import functools
 import json
@@ -686,14 +685,14 @@ def check_prompt(n_tokens, ctx):
 
 def stream(tok, ids_iter, prefix=""):
     """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete; -> count."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    dec = tok.stream()
     sys.stdout.write(prefix)
     n = 0
     for t in ids_iter:
-        sys.stdout.write(decoder.decode(tok.decode_bytes([t])))
+        sys.stdout.write(dec.text(t))
         sys.stdout.flush()
         n += 1
-    print(decoder.decode(b"", final=True))
+    print(dec.end())
     return n
 
 
@@ -1098,17 +1097,16 @@ def chat_repl(tok, generate_fn, template, max_new, ctx):
         if dropped:
             print(f"[dropped the {dropped} oldest turn(s) to fit the context of {ctx} tokens]", flush=True)
         ids = fit_prompt(ids, ctx, max_new)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        answer = []
+        dec, answer = tok.stream(), []
         try:
             for t in generate_fn(ids, min(max_new, ctx - len(ids))):
                 answer.append(t)
                 if t == tok.eot:
                     break
-                print(decoder.decode(tok.decode_bytes([t])), end="", flush=True)
+                print(dec.text(t), end="", flush=True)
         except KeyboardInterrupt:
             print(" [stopped]", end="")
-        print(decoder.decode(b"", final=True), flush=True)
+        print(dec.end(), flush=True)
         if template and (not answer or answer[-1] != tok.eot):
             answer.append(tok.eot)                   # each turn closes as SFT taught it
         turns.append((user, answer))

@@ -25,7 +25,6 @@ skipped, a running one stops at its next token.
 
 Sections: errors | requests | generation | HTTP | command line.
 """
-import codecs
 import errno
 import itertools
 import json
@@ -267,8 +266,7 @@ class Worker:
 
     def run(self, job):
         t0 = time.perf_counter()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        scan, n, finish, hit, ids = StopScan(job.stop), 0, "length", False, None
+        dec, scan, n, finish, hit, ids = self.tok.stream(), StopScan(job.stop), 0, "length", False, None
         try:
             ids = self.generate(job.prompt, job.max_new, job.sampling, np.random.default_rng(job.seed))
             for t in ids:
@@ -276,7 +274,7 @@ class Worker:
                 if t == self.tok.eot:
                     finish = "stop"
                     break
-                text, hit = scan.feed(decoder.decode(self.tok.decode_bytes([t])))
+                text, hit = scan.feed(dec.text(t))
                 if text:
                     job.out.put(("text", text))
                 if hit:
@@ -286,7 +284,7 @@ class Worker:
                     finish = "gone"
                     break
             if not hit and finish != "gone":             # the end: what was held back was no stop string
-                text, hit = scan.feed(decoder.decode(b"", final=True))
+                text, hit = scan.feed(dec.end())
                 text += "" if hit else scan.rest()
                 finish = "stop" if hit else finish
                 if text:
