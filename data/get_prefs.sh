@@ -20,16 +20,10 @@ SRC=${PREFS_SOURCE:-https://huggingface.co/datasets/Anthropic/hh-rlhf/resolve/ma
 OUT=${OUT:-$here/prefs.jsonl}
 PYTHON=${PYTHON:-python3}
 
-. "$here/fetch.sh"          # die, fetch
+. "$here/fetch.sh"          # die, begin_output, fetch
 
 [[ $MAX =~ ^[0-9]+$ ]] || die "MAX_PAIRS must be a whole number (0: all), got '$MAX'"
-if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
-  echo "$OUT already exists ($(wc -l <"$OUT") pairs); FORCE=1 to rebuild"
-  exit 0
-fi
-
-mkdir -p "$(dirname "$OUT")"
-tmp="$OUT.$$.tmp"
+begin_output
 raw="$OUT.$$.src.tmp"
 trap 'rm -f "$tmp" "$raw"' EXIT
 
