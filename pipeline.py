@@ -1153,17 +1153,18 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
     a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
     args: steps, schedule_steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
-    val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample. Returns the last validation loss; raises KeyboardInterrupt
-    after saving when Ctrl-C stopped the run. On several GPUs every rank runs it with its trainer (trainer.rank,
-    trainer.world): the checkpoint is a collective that only rank 0 writes, only rank 0 writes the log, and a
-    Ctrl-C on any rank stops them all at the next progress line."""
+    val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample. Returns the
+    last validation loss; raises KeyboardInterrupt after saving when Ctrl-C stopped the run. On several GPUs
+    every rank runs it with its trainer (trainer.rank, trainer.world): the checkpoint is a collective that only
+    rank 0 writes, only rank 0 writes the log, and a Ctrl-C on any rank stops them all at the next progress
+    line."""
     ckpt_path = os.path.join(out_dir, "ckpt.npz")
-    flag = StopFlag("this step" if getattr(trainer, "world", 1) == 1 else "the steps up to the next progress line")
+    rank, world = getattr(trainer, "rank", 0), getattr(trainer, "world", 1)
+    flag = StopFlag("this step" if world == 1 else "the steps up to the next progress line")
     try:
-        with open(os.path.join(out_dir, "train_log.jsonl") if getattr(trainer, "rank", 0) == 0 else os.devnull,
-                  "a") as log:
+        with open(os.path.join(out_dir, "train_log.jsonl") if rank == 0 else os.devnull, "a") as log:
             step, val_loss, stopped = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra,
-                                                   start, sample_fn)
+                                                   start, sample_fn, rank, world)
     finally:
         flag.restore()
     if stopped:
@@ -1171,10 +1172,9 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     return val_loss
 
 
-def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start, sample_fn):
-    steps, val_loss, t_start = args["steps"], None, time.time()
+def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start, sample_fn, rank, world):
+    steps, val_loss, t_start, agreed = args["steps"], None, time.time(), False
     schedule = args.get("schedule_steps") or steps
-    rank, world, agreed = getattr(trainer, "rank", 0), getattr(trainer, "world", 1), False
 
     def checkpoint(step):
         state = trainer.host_state()                 # on several GPUs a collective: every rank takes part
