@@ -44,7 +44,7 @@ def curves(run_dir):
     recs = read_log(run_dir)
     step = np.array([r["step"] for r in recs], float)
     ms = np.array([r.get("ms", 0.0) for r in recs], float)
-    if all("tokens" in r for r in recs):                # step x each step's tokens: right across resumes too
+    if all("tokens" in r for r in recs):                # step x each step's tokens (a resume may repeat steps)
         tokens = step * np.array([r["tokens"] for r in recs], float)
     else:                                               # logs from before "tokens": tok_s x ms a step
         tokens = np.cumsum([r.get("tok_s", 0) * r.get("ms", 0.0) / 1e3 for r in recs])
@@ -56,10 +56,13 @@ def curves(run_dir):
                 val_loss=np.array([recs[i]["val_loss"] for i in val], float), recs=recs)
 
 
-def plot(run_dirs, out_png, data=None):
-    """Train (lines) and validation (markers) loss against steps, tokens and wall time; one colour per run.
-    data: [(run_dir, curves(run_dir))] when the caller has them already."""
-    data = data or [(d, curves(d)) for d in run_dirs]   # every folder checked before matplotlib is needed
+def plot(run_dirs, out_png):
+    """Train (lines) and validation (markers) loss against steps, tokens and wall time; one colour per run."""
+    return _plot([(d, curves(d)) for d in run_dirs], out_png)   # every folder checked before matplotlib
+
+
+def _plot(data, out_png):
+    """plot() of [(run_dir, curves(run_dir))]."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -259,7 +262,7 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
              f"- final validation loss: {val_loss:.4f}", f"- final validation bpb: {val_bpb:.4f}", "",
              "## Sample", "", "```", sample, "```", "", "## Loss curves", ""]
     try:
-        plot([out_dir], os.path.join(out_dir, "loss.png"), data=[(out_dir, c)])
+        _plot([(out_dir, c)], os.path.join(out_dir, "loss.png"))
         lines.append("![loss curves](loss.png)")
     except pl.UserError as e:
         lines.append(f"(no plot: {e})")

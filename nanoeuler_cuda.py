@@ -290,9 +290,10 @@ template <bool MAX> __device__ float block_reduce(float v) {
 }
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
-// Programmatic dependent launch (sm_90; no-ops before it). A kernel launched by launch(..., pdl=True) may
-// start while the stream's previous kernel still runs: what it does before dep_wait() must read nothing
-// that an earlier kernel of the stream writes (the decode step's weights, never its activations).
+// Programmatic dependent launch (sm_90; no-ops before it). A kernel started by launch() may begin while
+// the stream's previous kernels still run, back to the last plain launch: before dep_wait() it may read
+// only what was written before that launch began (the weights; in a decode step, which starts with the
+// plain embed_fwd, also the position and the cache rows of earlier steps), never this step's activations.
 // dep_trigger() lets the next kernel start now, so that its loads overlap this kernel.
 __device__ __forceinline__ void dep_wait() {
 #if __CUDA_ARCH__ >= 900
@@ -1821,7 +1822,7 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     the attention's projection to the residual, matvec's RMSNorm-w1|w3-SwiGLU, and matvec adding w2's
 #     product. They are launched as programmatic dependent launches (launch()): each starts while the one
 #     before it runs and loads its weights (or the cached keys) into shared memory, then waits for its
-#     input, so the step is a chain of short waits rather than of loads (big: 1,800 -> 3,360 tokens/s).
+#     input, so the step is a chain of short waits rather than of loads (big: 1,800 -> 3,075 tokens/s).
 #     More rows (a prompt, a batch of streams) take cuBLAS and rope_store. sample_tokens draws each stream's
 #     next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each row's
 #     result depends on that row alone, never on how many rows the step has: a verify step of speculative
@@ -2839,7 +2840,7 @@ class Model:
             xent_chunk(lg, dl, self.tgt, self.scales, self.rowloss, n0, T, K, want_grad)
             if want_grad:
                 mm(self.G.rows(*heads), dl, hf, ta=True, beta=1.0 if n0 else 0.0)   # dHeads (+)= dl^T hf
-                mm(dh, dl, Wb)                                                     # dhf rows (fp32)
+                mm(dh, dl, Wb)                                                     # dhf rows (bf16)
         loss_reduce(self.rowloss, self.inv_count, self.ce)
 
     def _backward_bf16(self):
@@ -3409,7 +3410,7 @@ def cmd_infer(argv):
     p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
     p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
     p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
-    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8, generation=True, speculative=None)
+    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
     a = p.parse_args(argv)
     prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
     pl.check_sampling(a)
@@ -3447,7 +3448,7 @@ def cmd_sft(argv):
 def cmd_chat(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py chat", description="talk to a checkpoint (the conversation is kept within "
                   "the context; a chat checkpoint wraps each line in the SFT template)")
-    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7, generation=True, speculative=None)
+    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
     a = p.parse_args(argv)
     pl.check_sampling(a)
     gpu()

@@ -1371,7 +1371,7 @@ def add_train_flags(p, out, defaults, lr_note=""):
 
 def sampling_of(a):
     """The Sampling the flags ask for."""
-    return Sampling(a.temperature, a.top_k, getattr(a, "top_p", 1.0), getattr(a, "repetition_penalty", 1.0))
+    return Sampling(a.temperature, a.top_k, a.top_p, a.repetition_penalty)
 
 
 def speculative_for(flag, sampling, pays=True):
@@ -1380,12 +1380,10 @@ def speculative_for(flag, sampling, pays=True):
     return flag if flag is not None else sampling.temperature <= 0 and pays
 
 
-def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, tokens_help=None, seed_help=None,
-                     speculative_help=None):
-    """The flags of sample, chat and serve; generation=True adds top-p, the repetition penalty and speculative
-    decoding (speculative: its default, False, or None for speculative_for's rule, said by
-    speculative_help if given), for an engine that has them. tokens_help and seed_help: what --tokens and
-    --seed mean where they mean something else (serve)."""
+def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, speculative_help=None):
+    """The flags of sample, chat and serve: the checkpoint, the sampling rule and speculative decoding (by
+    default speculative_for's rule, said by speculative_help if given). tokens_help and seed_help: what
+    --tokens and --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
     p.add_argument("--tokens", type=int, default=200, help=tokens_help or "most tokens to generate (default 200; "
                    "generation stops when the context is full; a longer prompt keeps its last tokens, with a notice)")
@@ -1394,16 +1392,13 @@ def add_sample_flags(p, ckpt, temperature, generation=False, speculative=False, 
     p.add_argument("--top-k", dest="top_k", type=int, default=40, help="sample from the k likeliest (0: all; default 40)")
     p.add_argument("--seed", type=int, default=0,
                    help=seed_help or "random seed: the same seed gives the same text (default 0)")
-    if not generation:
-        return
     p.add_argument("--top-p", dest="top_p", type=float, default=1.0,
                    help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
     p.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
                    help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
-    default = speculative_help or {False: "off: slower on this engine so far",
-               None: "on when greedy, where it doubles the speed of a trained model; off when sampling, where fewer "
-                     "drafts are kept and it costs more than it saves"}[speculative]
-    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=speculative,
+    default = speculative_help or ("on when greedy, where a trained model's drafts make it faster; off when sampling, "
+                                   "where fewer drafts are kept and it costs more than it saves")
+    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                    help="let the MTP heads draft tokens that head 0 verifies in one forward: the same text, distributed "
                         f"exactly as without (default {default})")
 

@@ -25,7 +25,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import bpe
 import gradcheck
-from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
+from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine, run_gpu
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
@@ -33,22 +33,12 @@ import nanoeuler_cuda as nc
 # ====================================================================================================
 # the CPU engine: nanoeuler.py
 
-
-
-
 def run_cli(*args, stdin=None, env_extra=None, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "nanoeuler.py"), *map(str, args)], input=stdin,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_engine("nanoeuler.py", *args, env=env_extra, timeout=timeout, input=stdin)
 
 
 def assert_one_line_error(r, *words):
-    assert r.returncode != 0, r.stdout + r.stderr
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
+    assert one_error_line(r, *words), r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -754,10 +744,6 @@ def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
 # check needs libnvrtc, e.g. the nvidia-cuda-nvrtc-cu12 wheel, and skips without it); tests marked gpu skip
 # without CuPy and a device.
 
-def run_gpu(*args, timeout=900, env=None):
-    return run_engine("nanoeuler_cuda.py", *args, timeout=timeout, env=env)
-
-
 # ---------------------------------------------------------------- no GPU needed
 
 def test_every_kernel_compiles_with_nvrtc():
@@ -771,8 +757,8 @@ def test_every_kernel_compiles_with_nvrtc():
 
 
 def test_every_kernel_has_a_launcher_and_a_check():
-    """Each extern "C" kernel is launched from Python (its name appears outside the CUDA strings), and each
-    _k("name") launch names a kernel that a source defines (a kernel lost from a source fails here)."""
+    """Each extern "C" kernel is launched from Python: its name appears outside the CUDA strings, or the
+    f-string that names it (flash, attention and matvec kernels) does, with parameters it takes."""
     src = (Path(ROOT) / "nanoeuler_cuda.py").read_text()
     py = re.sub(r'r"""(.|\n)*?"""', "", src)                       # the Python: CUDA strings removed
     for mod, code in nc.SOURCES.items():

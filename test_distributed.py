@@ -17,7 +17,7 @@ import pytest
 
 import distributed as dist
 import pipeline as pl
-from conftest import GPUS, ROOT, one_error_line, run_engine
+from conftest import GPUS, ROOT, one_error_line, run_gpu
 
 
 def free_port():
@@ -48,10 +48,6 @@ def fake_cupy(tmp_path, gpus):
     (tmp_path / "cupy" / "__init__.py").write_text(
         f"class cuda:\n    class runtime:\n        getDeviceCount = staticmethod(lambda: {gpus})\n")
     return {"PYTHONPATH": str(tmp_path)}
-
-
-def run_gpu(*args, env=None, timeout=600):
-    return run_engine("nanoeuler_cuda.py", *args, env=env, timeout=timeout)
 
 
 def test_launcher_mistakes_give_one_error_line(tmp_path):
