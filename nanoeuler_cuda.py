@@ -4113,21 +4113,24 @@ def selftest_checks_bf16(rng):
         gg = _db(gu)
         swiglu_bwd(_db(dact), gg)
         R.append((f"swiglu bf16 bwd [dg | du] (F={F})", rel_err(gg, ne.swiglu_backward(dact, gu)), TB))
-    # chunked cross-entropy of 3 MTP heads with ignored targets, in two chunks (the second ragged); a row in
-    # registers (V <= 4096) and a row read from memory (V > 4096)
-    for B, T, V, K in ((3, 23, 97, 3), (2, 9, 4500, 2)):
+    # chunked cross-entropy of 3 MTP heads with ignored targets, in two chunks (the second ragged), from fp32 and
+    # bf16 logits: rows in registers (V <= 4096, V a multiple of 16 bytes of logits), rows read from memory
+    for B, T, V, K, lb in ((3, 23, 96, 3, 0), (3, 23, 97, 3, 0), (2, 9, 4500, 2, 0), (3, 23, 97, 3, 1),
+                           (3, 23, 1000, 3, 1), (2, 9, 4096, 2, 1)):
         N = B * T
         logits, y = randn(N, K * V) * 3, rng.integers(0, V, (B, T)).astype(np.int32)
+        logits = _rb(logits) if lb else logits
         y[rng.random((B, T)) < 0.2] = -1
         ref = logits.copy()
         obj_ref, ces_ref = ne.mtp_loss(ref, y, K, 0.3)
         sc, inv = loss_weights(y, K, 0.3)
-        lg, dl, rl, ce = _d(logits), _nanb(N, K * V), _nan(K, N), _nan(K)
+        lg, dl, rl, ce = (_db if lb else _d)(logits), _nanb(N, K * V), _nan(K, N), _nan(K)
         tg, scd = cp.asarray(y.reshape(-1)), _d(sc)
         for n0, n1 in ((0, N // 2 + 3), (N // 2 + 3, N)):
             xent_chunk(lg[n0:n1], dl[n0:n1], tg, scd, rl, n0, T, K, want_grad=True)
         loss_reduce(rl, _d(inv), ce)
-        R.append((f"cross-entropy, 2 row chunks (V={V}): loss", rel_err(ce, ces_ref), T32))
+        R.append((f"cross-entropy, 2 row chunks (V={V}, {'bf16' if lb else 'fp32'} logits): loss",
+                  rel_err(ce, ces_ref), T32))
         R.append(("  its bf16 gradient", rel_err(dl, ref), TB))
     # tensor-core flash attention (its backward with the RoPE backward): head dims 32, 64, 128, GQA, T not a tile
     # multiple; determinism
