@@ -2035,16 +2035,6 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
     fb_commit();
     dep_trigger();
     dep_wait();
-    // ADD with PARTS > 1: the combining thread (u, r) of rows 0..7 loads its residual pair now, not after the sums
-    const int pu = threadIdx.x >> 3, pr = threadIdx.x & 7;
-    const bool pre = EPI == ADD && PARTS > 1 && pu < nu && pr < R;
-    float pre1 = 0.f, pre2 = 0.f;
-    if (pre) {
-        int a, c;
-        cols(u0 + pu, a, c);
-        pre1 = out[(i64)pr * N + a];
-        pre2 = out[(i64)pr * N + c];
-    }
     if (NORM) {                  // the same sums, in the same order, in every block; rows 0..7 kept raw in xs
         for (int r = warp; r < R; r += 8) {
             const float4* xr = reinterpret_cast<const float4*>(x + (i64)r * K);
@@ -2116,14 +2106,7 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
             if (r < nr) {
                 float s1 = red[0][u * PARTS][r], s2 = red[1][u * PARTS][r];
                 for (int q = 1; q < PARTS; q++) { s1 += red[0][u * PARTS + q][r]; s2 += red[1][u * PARTS + q][r]; }
-                if (pre && r0 == 0) {                     // out += the sums, the residual loaded early
-                    int a, c;
-                    cols(u0 + u, a, c);
-                    out[(i64)r * N + a] = pre1 + s1;
-                    out[(i64)r * N + c] = pre2 + s2;
-                } else {
-                    epilogue(r0 + r, u0 + u, s1, s2);
-                }
+                epilogue(r0 + r, u0 + u, s1, s2);
             }
         }
     }
