@@ -590,8 +590,9 @@ class ZeRO:
             opt.grad_norm(self.gshard, reduce=lambda part: comm.allReduce(part.data.ptr, part.data.ptr, part.size,
                                                                            nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s))
             opt.step_count += 1
+            opt.set_hyper(lr)
             for p, g, m, v, first in self.pieces(opt):
-                opt.update(p, g, m, v, None, lr, first)
+                opt.update(p, g, m, v, None, first)
             nccl.groupStart()                            # one launch for every bucket's all-gather (in place)
             for a, b in self.plan.values():
                 c = (b - a) // W
