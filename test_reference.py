@@ -213,7 +213,7 @@ def test_a_head_without_targets_counts_zero():
     assert abs(obj - objective) <= 1e-10 and got[1:] == [0.0, 0.0] and abs(got[0] - ces[0]) <= 1e-10
 
 
-@pytest.mark.parametrize("name", ["tiny", "other", "weighted"])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_sampling_forward_with_its_cache_matches_the_reference(name):
     cfg = CASES[name][0]
     W = random_weights(cfg, 5)
