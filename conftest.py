@@ -3,10 +3,11 @@ for the engines' command lines, and the check of their one-line errors."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = Path(__file__).resolve().parent        # the project folder
 
 
 def gpu_count():

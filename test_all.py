@@ -492,7 +492,7 @@ def test_no_sys_exit_below_main():
     """Library code raises UserError; only main() (or the __main__ guard) ends the process."""
     import ast
     for name in PRODUCT:
-        tree = ast.parse((Path(ROOT) / name).read_text())
+        tree = ast.parse((ROOT / name).read_text())
         allowed = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.name == "main" or \
@@ -598,8 +598,8 @@ def test_usage_mistakes_get_one_line(tmp_path):
     assert_one_line_error(r, "invalid choice")
     assert_one_line_error(run_cli("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
     assert_one_line_error(run_cli("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
-    assert_one_line_error(run_cli("sample", "--ckpt", Path(ROOT) / "README.md"), "not a NanoEuler checkpoint")
-    assert "allow_pickle" not in run_cli("sample", "--ckpt", Path(ROOT) / "README.md").stderr
+    assert_one_line_error(run_cli("sample", "--ckpt", ROOT / "README.md"), "not a NanoEuler checkpoint")
+    assert "allow_pickle" not in run_cli("sample", "--ckpt", ROOT / "README.md").stderr
 
 
 def test_sampling_flags_are_checked(one_step_ckpt):
@@ -845,11 +845,11 @@ def test_checkpoints_cross_engines(tmp_path):
     with the GPU's cached logits equal to the CPU's."""
     g, c = tmp_path / "gpu", tmp_path / "cpu"
     assert run_gpu("t", *SMALL, "--steps", 2, "--out", g).returncode == 0
-    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler.py"), "train", "--resume", "--out", str(g),
+    r = subprocess.run([sys.executable, str(ROOT / "nanoeuler.py"), "train", "--resume", "--out", str(g),
                         "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert int(np.load(g / "ckpt.npz")["step"]) == 3
-    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler.py"), "train", "small", "--steps", "2", "--batch", "2",
+    r = subprocess.run([sys.executable, str(ROOT / "nanoeuler.py"), "train", "small", "--steps", "2", "--batch", "2",
                         "--seq", "64", "--out", str(c)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     r = run_gpu("tr", "--out", c, "--steps", 3)

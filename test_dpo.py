@@ -9,18 +9,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import bpe
 import gradcheck
-from conftest import needs_gpu, no_cupy, one_error_line, run_engine
+from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
-ROOT = Path(__file__).resolve().parent
 CFG = dataclasses.replace(pl.CONFIGS["tiny"], ctx=160)      # tiny, with room for the SFT template (~120 tokens)
 PAIRS = [{"prompt": f"Name colour number {i}.", "chosen": f"Colour {i} is red.", "rejected": f"{i} is seven."}
          for i in range(18)]
@@ -235,8 +233,7 @@ def test_cli_dpo_writes_a_chat_checkpoint_with_its_metrics(ckpts, tmp_path):
     out = tmp_path / "dpo"
     args = ("dpo", "--ckpt", ckpts / "chat.npz", "--data", ckpts / "prefs.jsonl", "--steps", 4, "--batch", 2,
             "--lr", 1e-3, "--out", out)
-    r = subprocess.run([sys.executable, str(ROOT / "nanoeuler.py"), *map(str, args)],
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    r = run_engine("nanoeuler.py", *args, timeout=120)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert "20 pairs, 2 held out, beta 0.1" in r.stdout
     assert ("pairs longer than the context of 160 tokens: 1 kept their answers and lost the start of their prompt, "

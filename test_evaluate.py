@@ -5,18 +5,16 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import bpe
 import evaluate
-from conftest import needs_gpu, no_cupy, one_error_line, run_engine
+from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
-ROOT = Path(__file__).resolve().parent
 FIX = ROOT / "data" / "fixtures" / "hellaswag_val.jsonl"
 
 

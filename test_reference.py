@@ -25,10 +25,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import bpe
+from conftest import ROOT
 import nanoeuler as ne
 import pipeline as pl
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY = pl.CONFIGS["tiny"]
 
 # ====================================================================================================
@@ -569,7 +569,7 @@ def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     P = pl.Params.init(TINY, 0)
     pl.save_checkpoint(str(path), P, tok)
     before = path.read_bytes()
-    r = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(path), ROOT], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(path), str(ROOT)], capture_output=True, text=True)
     assert r.returncode == -signal.SIGKILL, r.stderr
     partial = [f for f in os.listdir(tmp_path) if f != "ckpt.npz"]
     # killed, nothing can clean up: the half-written file is a *.tmp (git-ignored), never the checkpoint

@@ -25,11 +25,10 @@ import pytest
 
 import bpe
 import nanoeuler as ne
-from conftest import needs_gpu
+from conftest import ROOT, needs_gpu
 import pipeline as pl
 import serve
 
-ROOT = Path(__file__).resolve().parent
 ARTIFACTS = ROOT / "test_artifacts"
 CFG = dataclasses.replace(pl.CONFIGS["tiny"], ctx=384)      # room for a few SFT turns (~110 tokens each)
 CHROMIUM = "/usr/bin/chromium"
