@@ -141,7 +141,7 @@ def test_gradcheck_catches_a_broken_backward(monkeypatch, op):
 
 
 def test_gradcheck_cli_prints_ok():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "gradcheck.py"), "all"], capture_output=True, text=True)
+    r = run_engine("gradcheck.py", "all")
     assert r.returncode == 0 and ">>> backward OK" in r.stdout, r.stdout + r.stderr
     assert "layers.2.w2" in r.stdout and "mtp.logits" in r.stdout
 
