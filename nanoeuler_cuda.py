@@ -180,8 +180,14 @@ def _blas_lib():
 
 
 def _gemm_ex(opb, opa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc, compute):
-    """cublasGemmEx on CuPy's handle (column-major, as mm calls it), the types the arrays': through ctypes
-    (capturable), or CuPy's binding where the library is not found."""
+    """C = alpha op(B) op(A) + beta C on CuPy's handle, column-major (as mm calls it), the types the arrays':
+    cublasLt with a per-shape algorithm (_lt_plan), else cublasGemmEx through ctypes (both capturable), or
+    CuPy's binding where neither library is found."""
+    lt = _lt_lib()
+    if lt is not None:
+        plan = _lt_plan((opb, opa, n, m, k, ldb, lda, ldc, B.dtype.str, A.dtype.str, C.dtype.str, compute,
+                         beta != 0, _align(B), _align(A), _align(C)), B, A, C, alpha, beta)
+        return _lt_run(plan, plan.algo, alpha, B, A, beta, C)
     t = lambda x: CUDA_R_16BF if x.dtype == BF else CUDA_R_32F
     args = (_handle, opb, opa, n, m, k, _ptr(alpha), B.data.ptr, t(B), ldb, A.data.ptr, t(A), lda, _ptr(beta),
             C.data.ptr, t(C), ldc, compute, CUBLAS_GEMM_DEFAULT)
@@ -191,6 +197,127 @@ def _gemm_ex(opb, opa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc, compute):
     err = lib.cublasGemmEx(*args)
     if err:
         raise RuntimeError(f"cublasGemmEx failed with status {err}")
+
+
+# --- cublasLt: cuBLAS's own heuristic ranks a few algorithms for a GEMM's shape, and its first is not always
+#     the fastest (big's w1|w3 product at B=64: 287 us first, 265 us sixth). The first call of each shape
+#     times the ranked algorithms on its own operands and keeps the fastest of those whose result equals the
+#     first's bit for bit: the same bits whichever wins, in every process (resume is checked bit for bit),
+#     only sooner (0.5 ms a B=64 training step; the batched decode step's products). ---
+_lt = None          # [libcublasLt, its handle, ctypes], or [None] where it cannot be found
+_lt_plans = {}
+LT_ALGOS = 8        # the heuristic's candidates timed for a shape
+
+
+def _lt_lib():
+    global _lt
+    if _lt is None:
+        _lt = [None]
+        if _blas_lib() is not None:                  # cuBLAS's workspace, which Lt shares (same stream order)
+            import ctypes
+            with open("/proc/self/maps") as f:
+                path = next((l.split()[-1] for l in f if re.search(r"/libcublasLt\.so[.\d]*$", l.strip())), None)
+            if path is not None:
+                lib, v, i = ctypes.CDLL(path), ctypes.c_void_p, ctypes.c_int
+                lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), i, ctypes.c_uint64, ctypes.c_uint64,
+                                                           ctypes.c_int64]
+                lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(v), i, i]
+                lib.cublasLtMatmulDescSetAttribute.argtypes = [v, i, v, ctypes.c_size_t]
+                lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [v, i, v, ctypes.c_size_t]
+                lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [v, v, v, v, v, v, v, i, v, ctypes.POINTER(i)]
+                lib.cublasLtMatmul.argtypes = [v] * 14 + [ctypes.c_size_t, v]
+                h = v()
+                if lib.cublasLtCreate(ctypes.byref(h)) == 0:
+                    _lt = [lib, h, ctypes]
+    return _lt[0]
+
+
+def _align(x):
+    """The largest power of two up to 256 that divides x's address (Lt's algorithms need to know)."""
+    p = x.data.ptr
+    return min(256, p & -p) if p else 256
+
+
+class _LtPlan:
+    pass
+
+
+def _lt_plan(key, B, A, C, alpha, beta):
+    """The descriptors of key's GEMM and its algorithm: chosen at the first call (see above), on that call's
+    operands (and C, where beta != 0); during a graph capture, the heuristic's first."""
+    plan = _lt_plans.get(key)
+    if plan is not None:
+        return plan
+    lib, h, ctypes = _lt
+    opb, opa, n, m, k, ldb, lda, ldc, _, _, _, compute, _, alB, alA, alC = key
+    t = lambda x: CUDA_R_16BF if x.dtype == BF else CUDA_R_32F
+    plan, v = _LtPlan(), ctypes.c_void_p
+
+    def layout(dt, rows, cols, ld):
+        d = v()
+        assert lib.cublasLtMatrixLayoutCreate(ctypes.byref(d), dt, rows, cols, ld) == 0
+        return d
+    plan.a = layout(t(B), k if opb else n, n if opb else k, ldb)     # cuBLAS's A, B: our B, A (row-major)
+    plan.b = layout(t(A), m if opa else k, k if opa else m, lda)
+    plan.c = layout(t(C), n, m, ldc)
+    plan.desc = v()
+    assert lib.cublasLtMatmulDescCreate(ctypes.byref(plan.desc), compute, CUDA_R_32F) == 0
+    for attr, val in ((3, opb), (4, opa)):                           # CUBLASLT_MATMUL_DESC_TRANSA, TRANSB
+        x = ctypes.c_int32(val)
+        assert lib.cublasLtMatmulDescSetAttribute(plan.desc, attr, ctypes.byref(x), 4) == 0
+    pref = v()
+    assert lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)) == 0
+    ws = ctypes.c_uint64(_blas[1].size)
+    assert lib.cublasLtMatmulPreferenceSetAttribute(pref, 1, ctypes.byref(ws), 8) == 0   # MAX_WORKSPACE_BYTES
+    for attr, al in ((5, alB), (6, alA), (7, alC), (8, alC)):       # MIN_ALIGNMENT_A/B/C/D_BYTES
+        x = ctypes.c_uint32(al)
+        assert lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(x), 4) == 0
+    res, cnt = (ctypes.c_uint8 * (96 * LT_ALGOS))(), ctypes.c_int()  # cublasLtMatmulHeuristicResult_t[]: 96 B
+    err = lib.cublasLtMatmulAlgoGetHeuristic(h, plan.desc, plan.a, plan.b, plan.c, plan.c, pref, LT_ALGOS, res,
+                                             ctypes.byref(cnt))
+    lib.cublasLtMatmulPreferenceDestroy(pref)
+    base = ctypes.addressof(res)
+    algos = [ctypes.create_string_buffer(bytes(res[96 * j:96 * j + 64]), 64) for j in range(cnt.value)
+             if err == 0 and ctypes.c_int32.from_address(base + 96 * j + 72).value == 0]
+    if not algos:
+        raise RuntimeError(f"cublasLt has no algorithm for the GEMM {key}")
+    plan.algo, plan.timed = algos[0], []
+    if len(algos) > 1 and not cp.cuda.get_current_stream().is_capturing():
+        C0 = C.copy() if beta else None                # C is read: each candidate starts from it
+
+        def run(a):
+            if beta:
+                C[...] = C0
+            _lt_run(plan, a, alpha, B, A, beta, C)
+        run(algos[0])
+        ref = C.copy()
+        bits = np.uint16 if C.dtype == BF else np.uint32
+        for a in algos:
+            run(a)
+            same = a is algos[0] or bool(cp.array_equal(C.view(bits), ref.view(bits)))
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            for _ in range(5):
+                _lt_run(plan, a, alpha, B, A, beta, C)
+            e1.record()
+            e1.synchronize()
+            plan.timed.append((cp.cuda.get_elapsed_time(e0, e1) / 5, same, a))
+        plan.algo = min((t for t in plan.timed if t[1]), key=lambda t: t[0])[2]
+        if beta:
+            C[...] = C0                                # the caller's product runs on the C it gave
+        del ref, C0
+    plan.n_algos = len(algos)
+    _lt_plans[key] = plan
+    return plan
+
+
+def _lt_run(plan, algo, alpha, B, A, beta, C):
+    lib, h, ctypes = _lt
+    err = lib.cublasLtMatmul(h, plan.desc, _ptr(alpha), B.data.ptr, plan.a, A.data.ptr, plan.b, _ptr(beta),
+                             C.data.ptr, plan.c, C.data.ptr, plan.c, algo, _blas[1].data.ptr, _blas[1].size,
+                             cp.cuda.get_current_stream().ptr)
+    if err:
+        raise RuntimeError(f"cublasLtMatmul failed with status {err}")
 
 
 def on_stream(stream):
