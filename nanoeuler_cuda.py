@@ -132,7 +132,7 @@ NAIVE_TF32 = False   # the naive attention's score/value products stay fp32 (CON
 
 
 # cudaDataType / cublasComputeType_t / cublasGemmAlgo_t values for cublasGemmEx
-CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 0, 14, 68, 77, -1
+CUDA_R_32F, CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT = 0, 14, 68, -1
 BF = np.uint16      # the dtype of bf16 arrays: the bits, see the module's docstring
 
 
@@ -500,6 +500,9 @@ __device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float((unsigned
 __device__ __forceinline__ bf16 f2bf(float f) {
     unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
 }
+// one value to fp32 or bf16 storage (kernels templated on their output's type)
+__device__ __forceinline__ void st1(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st1(bf16* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
     unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
@@ -863,12 +866,20 @@ def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
 # --- SwiGLU on gu = [g | u] (N, 2F): act = silu(g) * u; backward writes [dg | du] over gu ---
 
 SWIGLU_SRC = r"""
-extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ act, int N, int F) {
+template <typename TO>
+__device__ __forceinline__ void swiglu_fwd_body(const float* __restrict__ gu, TO* __restrict__ act, int N, int F) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (i64)N * F) return;
     i64 n = idx / F; int f = idx % F;
     float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f];
-    act[idx] = g / (1.f + expf(-g)) * u;
+    st1(act + idx, g / (1.f + expf(-g)) * u);
+}
+extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ act, int N, int F) {
+    swiglu_fwd_body(gu, act, N, F);
+}
+// fp32 gu, bf16 act: the batched decode step's (its next product takes bf16)
+extern "C" __global__ void swiglu_fwd_to_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int N, int F) {
+    swiglu_fwd_body(gu, act, N, F);
 }
 extern "C" __global__ void swiglu_bwd(const float* __restrict__ dact, float* __restrict__ gu, int N, int F) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -932,6 +943,8 @@ extern "C" __global__ void swiglu_bwd_bf16_v8(const bf16* __restrict__ dact, bf1
 
 def swiglu_fwd(gu, act):
     N, F = act.shape
+    if gu.dtype == np.float32 and act.dtype == BF:
+        return _k("swiglu_fwd_to_bf16")(_blocks(N * F), (256,), (gu, act, I32(N), I32(F)))
     if act.dtype == BF:
         v8 = F % 8 == 0
         _k("swiglu_fwd_bf16_v8" if v8 else "swiglu_fwd_bf16")(_blocks(N * F // (8 if v8 else 2)), (256,),
@@ -2092,9 +2105,9 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
 // chunks) and warp 0 writes p = exp(s - m); thread (d, r) sums output d over the keys k = r mod KG, and the
 // KG partial sums of each d are added by shuffles at the end. A row's result depends on CH, never on how
 // many rows or streams the step has.
-template <int HD> __device__ void attn_cached_body(
+template <int HD, typename TO> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
-        float* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int CH) {
+        TO* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int CH) {
     constexpr int NT = 256, KS = HD + 8, D4 = HD / 4, KG = NT / HD;
     extern __shared__ __align__(16) float sm[];           // [CH][KS] keys, [CH][KS] values, [CH] scores, [CH] p
     __shared__ __align__(16) float qs[HD];
@@ -2168,7 +2181,7 @@ template <int HD> __device__ void attn_cached_body(
     }
 #pragma unroll
     for (int o = 1; o < KG; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (r == 0) out[n * Cq + (i64)h * HD + d] = acc / l;
+    if (r == 0) st1(out + n * Cq + (i64)h * HD + d, acc / l);
 }
 // The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
 // and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
@@ -2432,12 +2445,13 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
 """
 ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
 ATTN_THREADS = 256                    # its block (the kernel's NT)
+ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks share the SMs
 MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
 INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
-    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}(const float* __restrict__ qkv, const float* '
-     f'__restrict__ kc, const float* __restrict__ vc, float* __restrict__ out, const int* __restrict__ state, int rows, '
-     f'int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, '
-     f'ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD] +
+    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
+     f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
+     f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
+     f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
     [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
      f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
      f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
@@ -2455,9 +2469,10 @@ def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
-    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else 64  # keys a chunk: a few blocks, or many that share SMs
+    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
+                                                                         # that share SMs
     smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
-    k = _k(f"attn_cached_{hd}")
+    k = _k(f"attn_cached_{hd}" + ("_bf16" if out.dtype == BF else ""))   # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
            (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)), shared_mem=smem)
@@ -2466,13 +2481,12 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
 MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
 
 
-def sgemm_nt(C, A, W, beta=0.0, tf32=False):
-    """C (M, N) = A (M, K) @ W (N, K).T + beta * C in fp32 (tf32: on TF32 tensor cores, fp32 accumulation) by
-    cuBLAS's gemmEx (_gemm_ex), which a CUDA graph can capture."""
+def sgemm_nt(C, A, W, beta=0.0):
+    """C (M, N) = A (M, K) @ W (N, K).T + beta * C in fp32 by _gemm_ex, which a CUDA graph can capture."""
     (M, K), N = A.shape, W.shape[0]
     assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
     assert C.dtype == A.dtype == W.dtype == np.float32
-    _gemm_ex(1, 0, N, M, K, 1.0, W, K, A, K, beta, C, N, CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else CUBLAS_COMPUTE_32F)
+    _gemm_ex(1, 0, N, M, K, 1.0, W, K, A, K, beta, C, N, CUBLAS_COMPUTE_32F)
 
 
 MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks of consecutive kernels share an SM
@@ -3408,28 +3422,39 @@ class Sampler:
         self._logits_h = _pinned(K * K * V, np.float32)
         cos, sin = pl.rope_tables(ctx, hd, np.float64)
         self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
+        # a decode step of more than MATVEC_ROWS streams: bf16 weights and GEMM inputs, fp32 accumulation
+        # and outputs (half of TF32's bytes: 64 streams of big, 77K -> 100K tokens/s); the copy is refreshed
+        # from P before each batch (a training run's sampler reads live weights)
+        self.Pb = DeviceParams(cfg, dtype=BF) if streams > MATVEC_ROWS else None
+        if self.Pb is not None:                  # the products' bf16 inputs: RMSNorm's output, attention's, SwiGLU's
+            self.hb, self.attb, self.actb = (cp.empty((streams, n), BF) for n in (D, Hq * hd, F))
         self.stream = cp.cuda.Stream()           # blocking: ordered with the default stream that training uses
         self._graphs = {}
         self.pos = 0                             # the cache holds positions 0 .. pos-1 (host's copy)
 
     # --- the passes ---
-    def _linear(self, out, x, W, epi, norm=None, layer=None, rows=1, tf32=False):
-        """out = epi(x' @ W.T), x' = RMSNorm(x) * norm or x (matvec's epilogues; layer, rows: the caches and
-        rows per stream of 'rope'): one matvec kernel for a decode step (exact whatever its row count); for
-        more rows, RMSNorm, cuBLAS (tf32: on TF32 tensor cores) and the epilogue's own kernel."""
+    def _linear(self, out, x, names, epi, norm=None, layer=None, rows=1, bf=False):
+        """out = epi(x' @ W.T), W the matrices names (first, last) stacked, x' = RMSNorm(x) * norm or x
+        (matvec's epilogues; layer, rows: the caches and rows per stream of 'rope'): one matvec kernel for a
+        decode step (exact whatever its row count); for more rows, RMSNorm, cuBLAS and the epilogue's own
+        kernel: fp32 products, or (bf) bf16 weights and inputs with fp32 accumulation and output."""
         R, cfg = x.shape[0], self.cfg
         rope = None if epi != "rope" else (self.kc[layer], self.vc[layer], self.cos, self.sin, self.state, rows,
                                            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         if R <= MATVEC_ROWS:
-            return matvec(out, x, W, epi, norm, rope)
+            return matvec(out, x, self.P.rows(*names), epi, norm, rope)
         if norm is not None:
-            rmsnorm_fwd(x, norm, self.h[:R], self.r[:R])
-            x = self.h[:R]
+            h = self.hb[:R] if bf else self.h[:R]
+            rmsnorm_fwd(x, norm, h, self.r[:R])
+            x = h
+        C, beta = self.gu[:R] if epi == "glu" else out, 1.0 if epi == "add" else 0.0
+        if bf:
+            mm(C, x, self.Pb.rows(*names), tb=True, beta=beta)
+        else:
+            sgemm_nt(C, x, self.P.rows(*names), beta=beta)
         if epi == "glu":
-            sgemm_nt(self.gu[:R], x, W, tf32=tf32)
-            return swiglu_fwd(self.gu[:R], out)
-        sgemm_nt(out, x, W, beta=1.0 if epi == "add" else 0.0, tf32=tf32)
-        if epi == "rope":
+            swiglu_fwd(self.gu[:R], out)
+        elif epi == "rope":
             rope_store(out, *rope)
 
     def _lg(self, rows, heads):
@@ -3440,27 +3465,27 @@ class Sampler:
     def _forward(self, rows, streams, heads, prefill=False):
         """The model over `rows` new ids per stream (state[2:], row = stream * rows + t) at positions
         state[0] + t, appended to the caches; -> heads' logits of each row in _lg (prefill: the last row).
-        Up to MATVEC_ROWS rows take matvec, each row's result the same for any row count; more (a prompt, a
-        batch of streams) take cuBLAS, and a decode step then takes TF32 products (fp32 accumulation: 1.5x
-        faster at 64 streams; ids may differ from fp32's where two logits nearly tie), a prompt fp32."""
+        Up to MATVEC_ROWS rows take matvec, each row's result the same for any row count; more take cuBLAS:
+        a prompt in fp32, a decode step of many streams from bf16 weights (ids may differ from fp32's where
+        two logits nearly tie)."""
         cfg, P, R = self.cfg, self.P, rows * streams
-        tf32 = not prefill
+        bf = not prefill and R > MATVEC_ROWS
         hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
-        x, qkv, att, act = self.x[:R], self.qkv[:R], self.att[:R], self.act[:R]
+        x, qkv = self.x[:R], self.qkv[:R]
+        att, act = (self.attb[:R], self.actb[:R]) if bf else (self.att[:R], self.act[:R])
         embed_fwd(P["tok_emb"], self.state[2:2 + R], x)
         for l in range(L):
             p = f"layers.{l}."
-            self._linear(qkv, x, P.rows(p + "wq", p + "wv"), "rope", P[p + "attn_norm"], l, rows, tf32)
+            self._linear(qkv, x, (p + "wq", p + "wv"), "rope", P[p + "attn_norm"], l, rows, bf)
             if prefill and hd in (32, 64):                                  # the prompt starts at 0
                 flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
             else:
                 attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd)
-            self._linear(x, att, P[p + "wo"], "add", tf32=tf32)             # x += attention
-            self._linear(act, x, P.rows(p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], tf32=tf32)
-            self._linear(x, act, P[p + "w2"], "add", tf32=tf32)             # x += ffn
+            self._linear(x, att, (p + "wo",) * 2, "add", bf=bf)                 # x += attention
+            self._linear(act, x, (p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], bf=bf)
+            self._linear(x, act, (p + "w2",) * 2, "add", bf=bf)                 # x += ffn
         last = x[R - 1:R] if prefill else x
-        self._linear(self._lg(len(last), heads), last, P.rows("heads.0", f"heads.{heads - 1}"), "out", P["norm"],
-                     tf32=tf32)
+        self._linear(self._lg(len(last), heads), last, ("heads.0", f"heads.{heads - 1}"), "out", P["norm"], bf=bf)
 
     def _prefill(self, ids, streams, heads):
         """The prompt into stream 0's cache (copied to streams 1..), its last row's logits in _lg rows
@@ -3520,6 +3545,8 @@ class Sampler:
         n = min(max_new, self.cfg.ctx - len(ids))
         key = ("plain", streams) + tuple(asdict(sampling).values())
         with self._on_stream():
+            if streams > MATVEC_ROWS:
+                to_bf16(self.P.flat, self.Pb.flat)
             self._prefill(ids, streams, 1)
             if sampling.temperature > 0:         # the numbers the CPU engine draws, in its order
                 self.uni[:n * streams].set(rng.random(n * streams).astype(np.float32), stream=self.stream)
@@ -4140,6 +4167,14 @@ def selftest_generation(rng, randn, tol):
     out_r = np.stack([ne.attention_forward(rot(q[:, :Cq], Hq), rot(q[:, Cq:Cq + Ck], Hkv),
                                            q[:, Cq + Ck:].reshape(T, Hkv, hd), 1, T)[0].reshape(T, Cq) for q in qkv])
     R.append(("RoPE + KV-cache attention, 3 streams (prefill + 3-row step)", rel_err(out, out_r), tol))
+    ob = cp.full((ns * 3, Cq), 0x7fc0, BF)                # bf16 out (the batched decode step's), NaNs first
+    attn_cached(g, kc, vc, ob, state, 3, Hq, Hkv, hd)
+    R.append(("  the 3-row step, bf16 out", rel_err(bf16_float(cp.asnumpy(ob)).reshape(ns, 3, Cq), out_r[:, 7:]), 1e-2))
+    gu = randn(5, 140)
+    act = cp.full((5, 70), 0x7fc0, BF)
+    swiglu_fwd(_d(gu), act)
+    R.append(("SwiGLU fp32 -> bf16 (the batched decode step's)", rel_err(bf16_float(cp.asnumpy(act)),
+                                                                          ne.swiglu_forward(gu)), 1e-2))
     x, nw, W = randn(ns * 3, 96), randn(96) * 0.5 + 1, randn(Cq + 2 * Ck, 96)       # RMSNorm-qkv-RoPE-append
     kc2, vc2, g = _nan(ns, Hkv, ctx, hd), _nan(ns, Hkv, ctx, hd), _nan(ns * 3, Cq + 2 * Ck)
     matvec(g, _d(x), _d(W), "rope", _d(nw), (kc2, vc2, _d(cos), _d(sin), cp.asarray(np.array([7, 0], np.int32)), 3,
