@@ -589,8 +589,7 @@ class ZeRO:
             comm.allReduce(loss.data.ptr, loss.data.ptr, loss.size, nccl.NCCL_FLOAT32, self.avg, s)
             opt.grad_norm(self.gshard, reduce=lambda part: comm.allReduce(part.data.ptr, part.data.ptr, part.size,
                                                                            nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s))
-            opt.step_count += 1
-            opt.set_hyper(lr)
+            opt.next_step(lr)
             for p, g, m, v, first in self.pieces(opt):
                 opt.update(p, g, m, v, None, first)
             nccl.groupStart()                            # one launch for every bucket's all-gather (in place)
