@@ -207,15 +207,12 @@ class Tokenizer:
     def _encode_ordinary(self, text):
         pieces = GPT2_PATTERN.findall(text)
         cache = self._cache
-        if len(cache) > CACHE_MAX_PIECES:
-            cache.clear()
-        found = {}                  # this call's pieces: another thread may clear the shared cache meanwhile
+        if len(cache) > CACHE_MAX_PIECES:   # a new dict, not clear(): another thread may be reading the old one
+            self._cache = cache = {}
         for piece in set(pieces):
-            ids = cache.get(piece)
-            if ids is None:
-                ids = cache[piece] = self._bpe(piece)
-            found[piece] = ids
-        return list(chain.from_iterable(map(found.__getitem__, pieces)))
+            if piece not in cache:
+                cache[piece] = self._bpe(piece)
+        return list(chain.from_iterable(map(cache.__getitem__, pieces)))
 
     def encode(self, text, allowed_special=None):
         """Token ids of text. Special-token strings become their ids only when allowed

@@ -40,7 +40,8 @@ def read_log(run_dir):
 
 
 def curves(run_dir):
-    """-> dict of arrays: step, tokens, wall (s, cumulative ms), loss; val_step, val_tokens, val_wall, val_loss."""
+    """-> dict of arrays: step, tokens, wall (s, cumulative ms), loss; val_step, val_tokens, val_wall, val_loss;
+    and recs, the log's records."""
     recs = read_log(run_dir)
     step = np.array([r["step"] for r in recs], float)
     ms = np.array([r.get("ms", 0.0) for r in recs], float)

@@ -1134,13 +1134,11 @@ def parser():
     s = sub.add_parser("sample", help="generate text from a checkpoint", description="generate text from a checkpoint")
     s.add_argument("--prompt", default="\n", help="text to continue (default a newline)")
     s.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
-    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8,
-                        speculative_help=SPECULATIVE_HELP)
+    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8, speculative_help=SPECULATIVE_HELP)
     c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)",
                        description="talk to a checkpoint: a chat checkpoint (sft) wraps each line in the SFT template, "
                                    "a base model continues your text; the conversation is kept within the context")
-    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7,
-                        speculative_help=SPECULATIVE_HELP)
+    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7, speculative_help=SPECULATIVE_HELP)
     v = sub.add_parser("serve", help="an OpenAI-compatible API and a chat page in the browser (serve.py)",
                        description=serve.DESCRIPTION)
     serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", speculative_help=SPECULATIVE_HELP)

@@ -668,9 +668,9 @@ def check_sampling(a):
         raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or a positive number")
     if a.top_k < 0:
         raise UserError(f"--top-k {a.top_k}: give 0 (all tokens) or a positive number")
-    if not 0 < getattr(a, "top_p", 1.0) <= 1:
+    if not 0 < a.top_p <= 1:
         raise UserError(f"--top-p {a.top_p}: give a probability mass in (0, 1]")
-    if not getattr(a, "repetition_penalty", 1.0) > 0:
+    if not a.repetition_penalty > 0:
         raise UserError(f"--repetition-penalty {a.repetition_penalty}: give a positive factor (1: off)")
     if getattr(a, "samples", 1) < 1:
         raise UserError(f"--samples {a.samples}: give how many continuations to draw, at least 1")

@@ -522,8 +522,7 @@ DESCRIPTION = ("serve a checkpoint over an OpenAI-compatible API (/v1/chat/compl
 def add_serve_flags(p, ckpt, speculative_help=None):
     """The serve mode's flags (both engines): the sampling flags of sample and chat (--speculative by default
     as pl.speculative_for decides per request), then where to listen."""
-    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7,
-                        speculative_help=speculative_help,
+    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, speculative_help=speculative_help,
                         tokens_help="max_tokens of a request that gives none (default 200; at most the context - 1)",
                         seed_help="seeds the generator of the seeds of requests that give none (default 0)")
     p.add_argument("--host", default="127.0.0.1",

@@ -727,7 +727,7 @@ def test_outputs_are_ignored_by_git():
 
 
 def test_readme_commands_are_python3():
-    text = (Path(ROOT) / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     assert not re.findall(r"(?m)^\s*python (?!3)", text)
     assert "CONTRACT.md" in text
 
@@ -759,7 +759,7 @@ def test_every_kernel_compiles_with_nvrtc():
 def test_every_kernel_has_a_launcher_and_a_check():
     """Each extern "C" kernel is launched from Python: its name appears outside the CUDA strings, or the
     f-string that names it (flash, attention and matvec kernels) does, with parameters it takes."""
-    src = (Path(ROOT) / "nanoeuler_cuda.py").read_text()
+    src = (ROOT / "nanoeuler_cuda.py").read_text()
     py = re.sub(r'r"""(.|\n)*?"""', "", src)                       # the Python: CUDA strings removed
     for mod, code in nc.SOURCES.items():
         for name in nc.kernel_names(code):

@@ -113,16 +113,21 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
         evaluate.plot([str(tmp_path)], str(tmp_path / "x.png"))
 
 
-def test_train_writes_report_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    from matplotlib import image
+def _train_tiny(tmp_path, *args):
+    """nanoeuler.py train tiny on a small text with args (batch 2, seq 16, an eval every 2 steps) -> its run folder."""
     data = tmp_path / "text.txt"
     data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
     run = tmp_path / "run"
-    r = run_engine("nanoeuler.py", "train", "tiny", "--steps", 4, "--batch", 2, "--seq", 16, "--eval-every", 2,
-                   "--sample-every", 0, "--data", data, "--out", run, env={"NANOEULER_CACHE": str(tmp_path / "cache")},
-                   timeout=120)
+    r = run_engine("nanoeuler.py", "train", "tiny", "--batch", 2, "--seq", 16, "--eval-every", 2, "--sample-every", 0,
+                   "--data", data, "--out", run, *args, env={"NANOEULER_CACHE": str(tmp_path / "cache")}, timeout=120)
     assert r.returncode == 0, r.stderr
+    return run
+
+
+def test_train_writes_report_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+    run = _train_tiny(tmp_path, "--steps", 4)
     report = (run / "report.md").read_text()
     for want in ("parameters: 75,488", "tokens seen: 128", "GFLOP/s", "final validation loss", "## Sample",
                  "![loss curves](loss.png)"):
@@ -140,13 +145,7 @@ def test_train_writes_report_and_plot(tmp_path):
 
 def test_report_counts_grad_accum_tokens(tmp_path):
     """--grad-accum 2: a step sees 2 micro-batches, and the report and the curves count both."""
-    data = tmp_path / "text.txt"
-    data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
-    run = tmp_path / "run"
-    r = run_engine("nanoeuler.py", "train", "tiny", "--steps", 2, "--batch", 2, "--seq", 16, "--grad-accum", 2,
-                   "--eval-every", 2, "--sample-every", 0, "--data", data, "--out", run,
-                   env={"NANOEULER_CACHE": str(tmp_path / "cache")}, timeout=120)
-    assert r.returncode == 0, r.stderr
+    run = _train_tiny(tmp_path, "--steps", 2, "--grad-accum", 2)
     assert "tokens seen: 128 (2 steps x 64)" in (run / "report.md").read_text()
     assert list(evaluate.curves(str(run))["tokens"]) == [64, 128]
 
