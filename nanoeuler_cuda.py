@@ -518,15 +518,13 @@ __device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float((unsigned
 __device__ __forceinline__ bf16 f2bf(float f) {
     unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
 }
-// one value to fp32 or bf16 storage (kernels templated on their output's type)
-__device__ __forceinline__ void st1(float* p, float v) { *p = v; }
-__device__ __forceinline__ void st1(bf16* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
     unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
 __device__ __forceinline__ float2 unpack_bf2(unsigned v) {
     return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
 }
+// one value to or from fp32 or bf16 storage (kernels templated on their operands' type)
 __device__ __forceinline__ void stf(float* p, float v) { *p = v; }
 __device__ __forceinline__ void stf(bf16* p, float v) { *p = f2bf(v); }
 __device__ __forceinline__ float ldf(const float* p) { return *p; }
@@ -890,7 +888,7 @@ __device__ __forceinline__ void swiglu_fwd_body(const float* __restrict__ gu, TO
     if (idx >= (i64)N * F) return;
     i64 n = idx / F; int f = idx % F;
     float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f];
-    st1(act + idx, g / (1.f + expf(-g)) * u);
+    stf(act + idx, g / (1.f + expf(-g)) * u);
 }
 extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ act, int N, int F) {
     swiglu_fwd_body(gu, act, N, F);
@@ -2074,7 +2072,7 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     before it runs and loads its weights (or the cached keys) into shared memory, then waits for its
 #     input, so the step is a chain of short waits rather than of loads (big: 1,800 -> 3,075 tokens/s).
 #     More rows (a prompt, a batch of streams) take cuBLAS and rope_store. sample_tokens draws each stream's
-#     next id by pipeline.Sampling's rule; argmax_heads serves greedy speculative decoding. Each row's
+#     next id by pipeline.Sampling's rule; argmax_heads and spec_round, greedy speculative decoding. Each row's
 #     result depends on that row alone, never on how many rows the step has: a verify step of speculative
 #     decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
 
@@ -2199,7 +2197,7 @@ template <int HD, typename TO> __device__ void attn_cached_body(
     }
 #pragma unroll
     for (int o = 1; o < KG; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (r == 0) st1(out + n * Cq + (i64)h * HD + d, acc / l);
+    if (r == 0) stf(out + n * Cq + (i64)h * HD + d, acc / l);
 }
 // The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
 // and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
@@ -2460,6 +2458,37 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
     state[0] += dpos;
     state[1] += dstep;
 }
+// A round of greedy speculative decoding (pl.speculative_decode's rule, drafts in a chain) decided on the
+// device, so that rounds replay without the host. The round's forward ran state[2 ..] = [z, d_1 .. d_K-1] at
+// positions state[0] ..; am (K rows, K heads) holds its argmaxes. Head 0 keeps the drafts equal to its
+// argmax, in order, at most m of them (m: the drafts that fit max_new and the context); the round emits
+// head 0's ids at rows 0 .. n_ok (the last only if it fits), caches z and the kept drafts, and sets up the
+// next round: [head 0's id at row n_ok, heads 1 .. there]. spec = [produced, drafted, accepted, max_new,
+// done, position]; a done round changes nothing (a graph may replay a few past the end). start > 0: the
+// prompt's last row (am row 0) at position `start` begins a generation of max_new ids.
+extern "C" __global__ void spec_round(const int* __restrict__ am, int K, int* __restrict__ state,
+                                      int* __restrict__ tokens, int* __restrict__ spec, int ctx, int start,
+                                      int max_new) {
+    dep_wait();                                           // (one thread)
+    if (start > 0) { spec[0] = spec[1] = spec[2] = spec[4] = 0; spec[3] = max_new; }
+    if (spec[4]) return;
+    const int produced = spec[0], len = start > 0 ? start : state[0] + 1;     // len: the ids, z included
+    int n_ok = 0, m = 0, emit = 1;
+    if (start == 0) {
+        max_new = spec[3];
+        m = min(K - 1, min(max_new - produced, ctx - len));
+        while (n_ok < m && state[3 + n_ok] == am[n_ok * K]) n_ok++;
+        emit = n_ok + (n_ok < m || (produced + m < max_new && len + m < ctx));
+    }
+    for (int i = 0; i < emit; i++) tokens[produced + i] = am[i * K];
+    for (int k = 0; k < K; k++) state[2 + k] = am[n_ok * K + k];
+    const int pos = start > 0 ? start : state[0] + 1 + n_ok;
+    state[0] = spec[5] = pos;
+    spec[0] = produced + emit;
+    spec[1] += m;
+    spec[2] += n_ok;
+    spec[4] = produced + emit >= max_new || pos + 1 >= ctx;
+}
 """
 ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
 ATTN_THREADS = 256                    # its block (the kernel's NT)
@@ -2512,10 +2541,11 @@ MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks
 
 def matvec_plan(U, K, sms=None):
     """(units a block, warps splitting a unit's K) for W's U units of two rows of K: the units spread over
-    the device's SMs, at most MATVEC_SMEM of W a block; a block's 8 warps split each unit's K where it has
+    the device's SMs, at most MATVEC_SMEM of W and 8 units a block (a unit a warp: with 10, two warps took
+    two and the rest waited, 7% of big's decode step); a block's 8 warps split each unit's K where it has
     fewer than 8 units. A function of W's shape (and the device) alone: the sum order never depends on R."""
     sms = sms or cp.cuda.Device().attributes["MultiProcessorCount"]
-    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K)))
+    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K), 8))
     parts = 1
     while parts * 2 * upb <= 8 and K // 4 >= 32 * parts * 2:
         parts *= 2
@@ -2562,6 +2592,12 @@ def advance(state, dpos, dstep):
 def argmax_heads(logits, V, out):
     """out[r * heads + k] = the first argmax of head k's logits at row r; logits (R, heads * V)."""
     launch(_k("argmax_heads"), (logits.size // V,), (256,), (logits, I32(V), out))
+
+
+def spec_round(am, K, state, tokens, spec, ctx, start=0, max_new=0):
+    """A greedy speculative round decided on the device (or, start > 0, a generation's beginning); see
+    INFER_SRC."""
+    launch(_k("spec_round"), (1,), (1,), (am, I32(K), state, tokens, spec, I32(ctx), I32(start), I32(max_new)))
 
 
 # --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
@@ -3388,9 +3424,11 @@ def train(a, defaults, resume, group=None):
 # ----------------------------------------------------------------------------------------------------
 # generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
 # graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
-# the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream)
+# the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream; greedy
+# rounds are decided on the device too, so the host only reads the ids every few rounds)
 
-GEN_CHUNK = 8       # plain decoding: steps replayed between two reads of the new ids by the host
+GEN_CHUNK = 8       # decode steps (speculative: rounds) replayed between two reads of the new ids by the host
+MAX_GRAPHS = 64     # a sampler's captured graphs at most
 
 
 class Sampler:
@@ -3419,17 +3457,20 @@ class Sampler:
         self.gu, self.act, self.r = e(R, 2 * F), e(R, F), e(R)
         self.lse = e(Hq * ctx)
         self.logits = e(max(streams, K) * K * V)
-        self.kc = [cp.zeros((streams, Hkv, ctx, hd), np.float32) for _ in range(L)]
-        self.vc = [cp.zeros((streams, Hkv, ctx, hd), np.float32) for _ in range(L)]
+        # K positions past the context: a speculative round verifies K rows wherever it starts (the rows past
+        # what it keeps are rewritten before they are read), and its graph may replay after the end
+        self.kc = [cp.zeros((streams, Hkv, ctx + K, hd), np.float32) for _ in range(L)]
+        self.vc = [cp.zeros((streams, Hkv, ctx + K, hd), np.float32) for _ in range(L)]
         # device state [pos, step, the step's input ids] and its pinned host staging; what graphs read
         # must keep its address, so every buffer is made here once
         self.state, self._state_h = cp.zeros(2 + R, np.int32), _pinned(2 + R)
         self.seen = cp.zeros((streams, V), np.int32)                     # ids in each stream's text
         self.uni = cp.zeros(ctx * streams, np.float32)                   # uniform numbers, (step, stream)
         self.tokens, self._tokens_h = cp.zeros(ctx * streams, np.int32), _pinned(ctx * streams)
-        self.argmax, self._argmax_h = cp.zeros(K * K, np.int32), _pinned(K * K)
+        self.argmax = cp.zeros(K * K, np.int32)                             # a round's heads' argmaxes
         self._logits_h = _pinned(K * K * V, np.float32)
-        cos, sin = pl.rope_tables(ctx, hd, np.float64)
+        self.spec, self._spec_h = cp.zeros(6, np.int32), _pinned(2 * 6)        # spec_round's; a host slot a chunk
+        cos, sin = pl.rope_tables(ctx + K, hd, np.float64)
         self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
         # a decode step of more than MATVEC_ROWS streams: bf16 weights and GEMM inputs, fp32 accumulation and
         # outputs (half the bytes of fp32 weights: 64 streams of big, 77K -> 94-100K tokens/s); the copy is
@@ -3529,8 +3570,10 @@ class Sampler:
         graph = capture(self.stream, fn, "a decode step")
         if graph is None:
             self.graphs = False
-        else:
-            self._graphs[key] = graph
+            return
+        if len(self._graphs) >= MAX_GRAPHS:      # a server's many sampling settings: the oldest goes
+            del self._graphs[next(iter(self._graphs))]
+        self._graphs[key] = graph
 
     def _on_stream(self):
         """The sampler's kernels and cuBLAS calls on its own stream (capture needs one), until closed."""
@@ -3579,27 +3622,71 @@ class Sampler:
         sample_tokens(self._lg(streams, 1), self.seen[:streams], self.uni, self.state, self.tokens, sampling)
         advance(self.state, 1, 1)
 
-    # --- speculative decoding ---
-    def forward(self, ids, argmax=False):
+    # --- speculative decoding: greedy rounds decided on the device; any other rule through forward() ---
+    def _speculative(self, ids, max_new, stats):
+        """Greedy speculative decoding of one stream (spec_round): yields pl.speculative_decode's greedy ids.
+        The host queues rounds (a graph each), as many as the ids still due need at the rate seen so far (a
+        round past the end costs a whole forward), and reads the new ids after each chunk."""
+        K, V, ctx = self.cfg.n_mtp, self.cfg.vocab, self.cfg.ctx
+        n = min(max_new, ctx - len(ids))                    # the ids it yields
+        spec_h, chunks, slot = self._spec_h.reshape(2, 6), [], 0
+
+        def read_back(rounds):       # after `rounds` more: spec (a slot a chunk; two in flight) and the ids
+            nonlocal slot
+            for dev, host, nb in ((self.spec, spec_h[slot], 24), (self.tokens, self._tokens_h, n * 4)):
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, nb, 2, self.stream.ptr)
+            chunks.append((self.stream.record(), rounds, slot))
+            slot ^= 1
+
+        def round_():
+            self._forward(K, 1, K)
+            argmax_heads(self._lg(K, K), V, self.argmax)
+            spec_round(self.argmax, K, self.state, self.tokens, self.spec, ctx)
+        with self._on_stream():
+            self._prefill(ids, 1, K)
+            argmax_heads(self._lg(1, K), V, self.argmax)
+            spec_round(self.argmax, K, self.state, self.tokens, self.spec, ctx, len(ids), n)
+            read_back(0)
+        spec, got, rounds, queued = [1, 0, 0, n, 0, 0], 0, 0, 0  # spec as last read; ids and rounds read; rounds queued
+        while True:
+            with self._on_stream():
+                while len(chunks) < 2 and not spec[4]:
+                    rate = max((spec[0] - 1) / rounds if rounds else K, 1)  # ids a round (at first the most possible)
+                    g = min(GEN_CHUNK, math.ceil((n - spec[0]) / rate) - queued)
+                    if g <= 0:
+                        break
+                    for _ in range(g):
+                        self._run(("spec",), round_)
+                    queued += g
+                    read_back(g)
+            if not chunks:
+                break
+            ev, g, done = chunks.pop(0)
+            ev.synchronize()
+            spec, rounds, queued = spec_h[done].copy(), rounds + g, queued - g
+            yield from (int(t) for t in self._tokens_h[got:spec[0]])
+            got = spec[0]
+            if spec[4]:                  # done: a chunk still queued only replays rounds that change nothing
+                break
+        if stats is not None and spec[1]:          # (pl.speculative_decode counts rounds, and there were some)
+            stats["drafted"] = stats.get("drafted", 0) + int(spec[1])
+            stats["accepted"] = stats.get("accepted", 0) + int(spec[2])
+        self.pos = int(spec[5])
+
+    def forward(self, ids):
         """ids appended to the cache at positions pos.. (the prompt, prefilled, when the cache is empty)
-        -> every head's logits at each, (rows, n_mtp, V) on the host (the prompt: its last row); argmax:
-        their first argmaxes instead, (rows, n_mtp), all that greedy speculative decoding needs (ids, not
-        logits, cross to the host). The forward of pl.speculative_decode, and of the tests."""
+        -> every head's logits at each, (rows, n_mtp, V) on the host (the prompt: its last row). The forward
+        of pl.speculative_decode's rounds that sample, and of the tests."""
         K, V = self.cfg.n_mtp, self.cfg.vocab
         with self._on_stream():
             if self.pos == 0:
                 self._prefill(ids, 1, K)
                 rows = 1
-                if argmax:
-                    argmax_heads(self._lg(1, K), V, self.argmax)
             else:
                 rows = len(ids)
                 self._set_state(self.pos, ids)
-                self._run(("verify", rows, argmax), lambda: (self._forward(rows, 1, K), argmax and
-                                                             argmax_heads(self._lg(rows, K), V, self.argmax)))
+                self._run(("verify", rows), lambda: self._forward(rows, 1, K))
                 self.pos += rows
-            if argmax:
-                return self._host(self.argmax, self._argmax_h, rows * K).reshape(rows, K).copy()
             return self._host(self.logits, self._logits_h, rows * K * V).reshape(rows, K, V).copy()
 
     # --- the interface of both engines ---
@@ -3611,10 +3698,11 @@ class Sampler:
         pl.check_prompt(len(prompt_ids), self.cfg.ctx)
         self.pos = 0
         if speculative and self.cfg.n_mtp > 1:
-            ids_only = sampling.temperature <= 0 and sampling.repetition_penalty == 1.0
-            yield from pl.speculative_decode(lambda ids: self.forward(ids, argmax=ids_only),
-                                             lambda n: setattr(self, "pos", n), prompt_ids, max_new, sampling, rng,
-                                             stats, self.cfg.n_mtp, self.cfg.ctx)
+            if sampling.temperature <= 0 and sampling.repetition_penalty == 1.0:
+                yield from self._speculative(list(prompt_ids), max_new, stats)
+                return
+            yield from pl.speculative_decode(self.forward, lambda n: setattr(self, "pos", n), prompt_ids, max_new,
+                                             sampling, rng, stats, self.cfg.n_mtp, self.cfg.ctx)
             return
         for chunk in self._plain(list(prompt_ids), max_new, sampling, rng, 1):
             yield from (int(t) for t in chunk[:, 0])
@@ -4158,6 +4246,15 @@ def selftest_generation(rng, randn, tol):
     ob = cp.full((ns * 3, Cq), 0x7fc0, BF)                # bf16 out (the batched decode step's), NaNs first
     attn_cached(g, kc, vc, ob, state, 3, Hq, Hkv, hd)
     R.append(("  the 3-row step, bf16 out", rel_err(bf16_float(cp.asnumpy(ob)).reshape(ns, 3, Cq), out_r[:, 7:]), 1e-2))
+    S, p0, e = MATVEC_ROWS + 1, 70, 0.0           # a step of many streams: keys in chunks, every head dim
+    for d in ATTN_CACHED_HD:
+        kc3, vc3, q3, o3 = randn(S, Hkv, 80, d), randn(S, Hkv, 80, d), randn(S, (Hq + 2 * Hkv) * d), _nan(S, Hq * d)
+        attn_cached(_d(q3), _d(kc3), _d(vc3), o3, cp.asarray(np.array([p0, 0], np.int32)), 1, Hq, Hkv, d)
+        k, v = (np.repeat(c[:, :, :p0 + 1], Hq // Hkv, axis=1) for c in (kc3, vc3))     # (S, Hq, keys, d)
+        sc = q3[:, :Hq * d].reshape(S, Hq, 1, d) @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        e = max(e, rel_err(o3, (p / p.sum(-1, keepdims=True) @ v).reshape(S, Hq * d)))
+    R.append((f"  a step of {S} streams at {p0} (keys in chunks), head dims {ATTN_CACHED_HD}", e, tol))
     gu = randn(5, 140)
     act = cp.full((5, 70), 0x7fc0, BF)
     swiglu_fwd(_d(gu), act)

@@ -877,8 +877,9 @@ def test_gpu_generation_matches_cpu_engine(name):
     """The device sampler draws what the CPU engine draws: the same rules and, with the same seed, the same
     random numbers in the same order, so plain and speculative decoding, greedy and sampled, one stream and
     a batch, give the CPU engine's ids (peaked weights leave no near-ties; a batch too large for matvec,
-    from bf16 weights, greedy ids up to bf16's rounding). Speculative greedy ids equal plain greedy ids; Python launches
-    equal graph replays. (small prefills with the flash kernel; tiny's head dim 8 with the cache kernel.)"""
+    from bf16 weights, greedy ids up to bf16's rounding). Speculative greedy ids equal plain greedy ids, and
+    its rounds decided on the device keep the drafts the host's rule keeps; Python launches equal graph
+    replays. (small prefills with the flash kernel; tiny's head dim 8 with the cache kernel.)"""
     P = _peaky(name)
     prompt = list(range(5, 21))
     n = 60 if name == "small" else 40
@@ -898,6 +899,22 @@ def test_gpu_generation_matches_cpu_engine(name):
         assert gpu.generate_batch(prompt, 3, n, sampling, np.random.default_rng(5)) == ref
     greedy = pl.Sampling(0)
     assert list(gpu.generate(prompt, n, greedy, speculative=True)) == list(gpu.generate(prompt, n, greedy))
+    # greedy rounds decided on the device (spec_round) against the pipeline's rule run by the host over the
+    # sampler's logits: the same ids and counts, for lengths that cut the last round short and at the
+    # context's end; the shift model's head 1 drafts right and its head 2 wrong
+    counts = {}
+    for Q in (P, _shift_model([1, 2, 5], 20.0)):
+        one, K, ctx = nc.Sampler(Q), Q.cfg.n_mtp, Q.cfg.ctx
+        for m, ids in ((1, prompt), (2, prompt), (n - 1, prompt), (50, [i % Q.cfg.vocab for i in range(1, ctx - 5)])):
+            dev, host = {}, {}
+            got = list(one.generate(ids, m, greedy, speculative=True, stats=dev))
+            one.pos = 0
+            want = list(pl.speculative_decode(one.forward, lambda c: setattr(one, "pos", c), ids, m, greedy,
+                                              np.random.default_rng(0), host, K, ctx))
+            assert got == want and dev == host, (m, dev, host)
+            for key in dev:
+                counts[key] = counts.get(key, 0) + dev[key]
+    assert 0 < counts["accepted"] < counts["drafted"], counts             # both outcomes of a draft were met
     # more streams than matvec takes: cuBLAS products from bf16 weights. Every stream takes the same greedy
     # ids, and each is a greedy choice up to bf16's rounding: the CPU engine's logits along those ids put it
     # within 2% of the logits' range of the best
