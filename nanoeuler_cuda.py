@@ -158,6 +158,12 @@ def mm(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
 _blas = None        # [libcublas through ctypes, its workspace], or [None] where it cannot be found
 
 
+def _loaded(name):
+    """The path of a shared library this process has loaded (libname.so[.N..]), by /proc/self/maps, or None."""
+    with open("/proc/self/maps") as f:
+        return next((l.split()[-1] for l in f if re.search(rf"/{re.escape(name)}\.so[.\d]*$", l.strip())), None)
+
+
 def _blas_lib():
     """The libcublas that CuPy has loaded, through ctypes (or None): CuPy's binding refuses any cuBLAS call
     while a stream is captured into a CUDA graph, cuBLAS itself does not, given a workspace of its own (set
@@ -166,8 +172,7 @@ def _blas_lib():
     if _blas is None:
         import ctypes
         _blas = [None]
-        with open("/proc/self/maps") as f:
-            path = next((l.split()[-1] for l in f if re.search(r"/libcublas\.so[.\d]*$", l.strip())), None)
+        path = _loaded("libcublas")
         if path is not None:
             lib = ctypes.CDLL(path)
             work = cp.empty(32 << 20, np.uint8)
@@ -215,8 +220,7 @@ def _lt_lib():
         _lt = [None]
         if _blas_lib() is not None:                  # cuBLAS's workspace, which Lt shares (same stream order)
             import ctypes
-            with open("/proc/self/maps") as f:
-                path = next((l.split()[-1] for l in f if re.search(r"/libcublasLt\.so[.\d]*$", l.strip())), None)
+            path = _loaded("libcublasLt")
             if path is not None:
                 lib, v, i = ctypes.CDLL(path), ctypes.c_void_p, ctypes.c_int
                 lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(v), i, ctypes.c_uint64, ctypes.c_uint64,
@@ -308,7 +312,6 @@ def _lt_plan(key, B, A, C, alpha, beta):
         if beta:
             C[...] = C0                                # the caller's product runs on the C it gave
         del ref, C0
-    plan.n_algos = len(algos)
     _lt_plans[key] = plan
     return plan
 
@@ -557,6 +560,20 @@ template <int VEC> __device__ __forceinline__ void stbf(bf16* p, const float* f)
         *reinterpret_cast<unsigned*>(p) = pack_bf2(f[0], f[1]);
     }
 }
+// VEC consecutive values of either type <-> floats: fp32 16 bytes at a time (VEC a multiple of 4), bf16 as above
+template <int VEC> __device__ __forceinline__ void ldv(const float* p, float* f) {
+#pragma unroll
+    for (int e = 0; e < VEC; e += 4) {
+        const float4 q = *reinterpret_cast<const float4*>(p + e);
+        f[e] = q.x; f[e + 1] = q.y; f[e + 2] = q.z; f[e + 3] = q.w;
+    }
+}
+template <int VEC> __device__ __forceinline__ void ldv(const bf16* p, float* f) { ldbf<VEC>(p, f); }
+template <int VEC> __device__ __forceinline__ void stv(float* p, const float* f) {
+#pragma unroll
+    for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+}
+template <int VEC> __device__ __forceinline__ void stv(bf16* p, const float* f) { stbf<VEC>(p, f); }
 """
 
 # --- embedding: x[n] = tok_emb[idx[n]]; backward without atomics: the host sorts the positions by
@@ -616,13 +633,11 @@ def sort_tokens(idx, V):
 
 RMSNORM_SRC = r"""
 // the 4 values at p[4c .. 4c+3] as a float4: fp32, or bf16 widened / rounded to nearest (16- or 8-byte accesses)
-__device__ __forceinline__ float4 ld4(const float* p, i64 c) { return reinterpret_cast<const float4*>(p)[c]; }
-__device__ __forceinline__ float4 ld4(const bf16* p, i64 c) {
-    float f[4]; ldbf<4>(p + 4 * c, f); return make_float4(f[0], f[1], f[2], f[3]);
+template <typename T> __device__ __forceinline__ float4 ld4(const T* p, i64 c) {
+    float f[4]; ldv<4>(p + 4 * c, f); return make_float4(f[0], f[1], f[2], f[3]);
 }
-__device__ __forceinline__ void st4(float* p, i64 c, float4 v) { reinterpret_cast<float4*>(p)[c] = v; }
-__device__ __forceinline__ void st4(bf16* p, i64 c, float4 v) {
-    const float f[4] = {v.x, v.y, v.z, v.w}; stbf<4>(p + 4 * c, f);
+template <typename T> __device__ __forceinline__ void st4(T* p, i64 c, float4 v) {
+    const float f[4] = {v.x, v.y, v.z, v.w}; stv<4>(p + 4 * c, f);
 }
 // Forward, a warp per row: lane holds columns 4(lane + 32j) .. +3 (j < 8: D <= 1024, D % 4 == 0) of
 // x [+ add] in registers, read once with 16-byte loads; the sum of squares is reduced once. add is the branch
@@ -991,19 +1006,6 @@ XENT_SRC = r"""
 // V <= XENT_NPT * blockDim (V a multiple of VEC, the row 16-byte aligned) is read once, into registers,
 // VEC = 16 bytes of logits (4 fp32 or 8 bf16) at a time; other rows are read three times.
 #define XENT_NPT 16
-template <int VEC> __device__ __forceinline__ void ldv(const float* p, float* f) {
-#pragma unroll
-    for (int e = 0; e < VEC; e += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(p + e);
-        f[e] = q.x; f[e + 1] = q.y; f[e + 2] = q.z; f[e + 3] = q.w;
-    }
-}
-template <int VEC> __device__ __forceinline__ void ldv(const bf16* p, float* f) { ldbf<VEC>(p, f); }
-template <int VEC> __device__ __forceinline__ void stv(float* p, const float* f) {
-#pragma unroll
-    for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
-}
-template <int VEC> __device__ __forceinline__ void stv(bf16* p, const float* f) { stbf<VEC>(p, f); }
 template <typename L, typename G> __device__ void xent_row(const L* row, G* drow, int tgt, float sc, float* loss, int V,
                                                            int want_grad) {
     constexpr int VEC = 16 / sizeof(L), NV = XENT_NPT / VEC;

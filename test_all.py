@@ -582,20 +582,18 @@ def test_every_cli_answers_help():
     for script, args in (("nanoeuler.py", []), ("nanoeuler.py", ["train"]), ("nanoeuler_cuda.py", []),
                          ("nanoeuler_cuda.py", ["train"]), ("nanoeuler_cuda.py", ["t"]), ("bpe.py", []),
                          ("bpe.py", ["encode"]), ("gradcheck.py", [])):
-        r = subprocess.run([sys.executable, script, *args, "--help"], cwd=ROOT, capture_output=True, text=True)
+        r = run_engine(script, *args, "--help")
         assert r.returncode == 0 and "usage" in r.stdout.lower() + r.stderr.lower() or "Modes" in r.stdout, \
             (script, args, r.stdout, r.stderr)
-    r = subprocess.run([sys.executable, "nanoeuler_cuda.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    r = run_engine("nanoeuler_cuda.py", "--help")
     assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
 
 
 def test_usage_mistakes_get_one_line(tmp_path):
     assert_one_line_error(run_cli("train", "--stpes", 5), "--stpes", "did you mean --steps")
     assert_one_line_error(run_cli("train", "5"), "unknown config '5'")
-    r = subprocess.run([sys.executable, "bpe.py", "train"], cwd=ROOT, capture_output=True, text=True)
-    assert_one_line_error(r, "required")
-    r = subprocess.run([sys.executable, "gradcheck.py", "nope"], cwd=ROOT, capture_output=True, text=True)
-    assert_one_line_error(r, "invalid choice")
+    assert_one_line_error(run_engine("bpe.py", "train"), "required")
+    assert_one_line_error(run_engine("gradcheck.py", "nope"), "invalid choice")
     assert_one_line_error(run_cli("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
     assert_one_line_error(run_cli("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
     assert_one_line_error(run_cli("sample", "--ckpt", ROOT / "README.md"), "not a NanoEuler checkpoint")
@@ -845,12 +843,10 @@ def test_checkpoints_cross_engines(tmp_path):
     with the GPU's cached logits equal to the CPU's."""
     g, c = tmp_path / "gpu", tmp_path / "cpu"
     assert run_gpu("t", *SMALL, "--steps", 2, "--out", g).returncode == 0
-    r = subprocess.run([sys.executable, str(ROOT / "nanoeuler.py"), "train", "--resume", "--out", str(g),
-                        "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_cli("train", "--resume", "--out", g, "--steps", 3)
     assert r.returncode == 0, r.stderr
     assert int(np.load(g / "ckpt.npz")["step"]) == 3
-    r = subprocess.run([sys.executable, str(ROOT / "nanoeuler.py"), "train", "small", "--steps", "2", "--batch", "2",
-                        "--seq", "64", "--out", str(c)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = run_cli("train", "small", "--steps", 2, "--batch", 2, "--seq", 64, "--out", c)
     assert r.returncode == 0, r.stderr
     r = run_gpu("tr", "--out", c, "--steps", 3)
     assert r.returncode == 0, r.stderr
@@ -941,8 +937,7 @@ def test_gpu_sample_modes(tmp_path):
                                                                                               "--no-speculative")]
     assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout
     assert "drafts accepted" in outs[0].stderr and "speculative off" in outs[1].stderr
-    r = subprocess.run([sys.executable, str(Path(ROOT) / "nanoeuler_cuda.py"), "chat", "--ckpt", str(tmp_path),
-                        "--tokens", "10"], cwd=ROOT, input="hello\nagain\n", capture_output=True, text=True, timeout=300)
+    r = run_engine("nanoeuler_cuda.py", "chat", "--ckpt", tmp_path, "--tokens", 10, input="hello\nagain\n", timeout=300)
     assert r.returncode == 0 and r.stdout.count("hello") >= 1, r.stdout + r.stderr
 
 
