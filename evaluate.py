@@ -154,23 +154,23 @@ def hellaswag_sequences(tok, item, ctx_len):
     return seqs, ns, cut
 
 
-def hellaswag_item(tok, item, logprobs_fn, ctx_len):
-    """-> (sum log-prob of each ending, truncated?). acc picks argmax of the sums; acc_norm argmax of
-    sum / len(" " + ending) in characters (as lm-evaluation-harness does)."""
-    seqs, ns, cut = hellaswag_sequences(tok, item, ctx_len)
-    lps = logprobs_fn(seqs)
-    return [float(np.sum(lp[len(lp) - n:])) for lp, n in zip(lps, ns)], cut
-
-
-def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None):
-    """-> dict(acc, acc_norm, n, truncated, preds: [(pred, pred_norm, label)])."""
-    preds, n_cut = [], 0
-    for item in items:
-        sums, cut = hellaswag_item(tok, item, logprobs_fn, ctx_len)
-        if cut and not n_cut and warn:
-            warn(f"note: a context + ending is longer than the context of {ctx_len} tokens; the context keeps its "
-                 "last tokens (said once)")
-        n_cut += cut
+def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None, batch_items=1):
+    """-> dict(acc, acc_norm, n, truncated, preds: [(pred, pred_norm, label)]). logprobs_fn scores the
+    sequences of batch_items items a call (None: every item in one call, as the GPU batches them). acc
+    picks the argmax of each ending's summed log-prob; acc_norm of the sum / len(" " + ending) in characters
+    (as lm-evaluation-harness does)."""
+    tokd = [hellaswag_sequences(tok, item, ctx_len) for item in items]
+    n_cut = sum(cut for _, _, cut in tokd)
+    if n_cut and warn:
+        warn(f"note: a context + ending is longer than the context of {ctx_len} tokens; the context keeps its "
+             "last tokens (said once)")
+    step, lps = batch_items or max(len(items), 1), []
+    for i in range(0, len(items), step):
+        lps += logprobs_fn([s for seqs, _, _ in tokd[i:i + step] for s in seqs])
+    preds = []
+    for item, (_, ns, _) in zip(items, tokd):
+        sums = [float(np.sum(lp[len(lp) - n:])) for lp, n in zip(lps[:len(ns)], ns)]
+        lps = lps[len(ns):]
         norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
         preds.append((int(np.argmax(sums)), int(np.argmax(norm)), item["label"]))
     n = len(preds)
@@ -224,9 +224,9 @@ def check_eval_args(a):
         raise pl.UserError("--task bpb needs --data TEXT_FILE")
 
 
-def run_eval(a, tok, ctx, logprobs_fn, hellaswag_fn=None):
-    """The eval mode once the engine has its logprobs_fn (hellaswag_fn(tok, items, warn) may batch the
-    whole set instead): prints the result on its last line and records it in evals.jsonl."""
+def run_eval(a, tok, ctx, logprobs_fn, batch_items=1):
+    """The eval mode once the engine has its logprobs_fn (HellaSwag: batch_items items a call, None for
+    all): prints the result on its last line and records it in evals.jsonl."""
     if a.task == "bpb":
         value, nats, n, n_bytes = bpb(tok, pl.read_text(a.data), logprobs_fn, ctx)
         record_eval(a.ckpt, dict(task="bpb", data=a.data, bpb=round(value, 5), loss=round(nats, 5), tokens=n,
@@ -236,7 +236,7 @@ def run_eval(a, tok, ctx, logprobs_fn, hellaswag_fn=None):
         return
     items = load_hellaswag(a.data, a.limit)
     warn = lambda m: print(m, file=sys.stderr)
-    r = hellaswag_fn(tok, items, warn) if hellaswag_fn else hellaswag(tok, items, logprobs_fn, ctx, warn)
+    r = hellaswag(tok, items, logprobs_fn, ctx, warn, batch_items)
     record_eval(a.ckpt, dict(task="hellaswag", data=a.data, n=r["n"], acc=round(r["acc"], 5),
                              acc_norm=round(r["acc_norm"], 5)))
     print(f"hellaswag: {r['n']} items | acc {r['acc']:.4f} | acc_norm {r['acc_norm']:.4f}")

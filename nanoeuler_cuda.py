@@ -3998,20 +3998,13 @@ def gpu_logprobs(P, B, T, precision, attn):
     return fn
 
 
-def gpu_hellaswag(tok, items, P, precision, attn, warn=None):
-    """evaluate.hellaswag, every (context, ending) of every item scored first in batches of (B, T): T the
+def gpu_hellaswag_logprobs(P, precision, attn):
+    """logprobs_fn for evaluate.hellaswag's every (context, ending) in one call: batches of (B, T), T the
     longest sequence rounded up to 64 (at most the context), B = EVAL_TOKENS // T."""
-    seqs = [s for item in items for s in evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)[0]]
-    T = min(P.cfg.ctx, -(-max(map(len, seqs)) // 64) * 64)
-    scores = gpu_logprobs(P, min(len(seqs), max(1, EVAL_TOKENS // T)), T, precision, attn)(seqs)
-    done = 0
-
-    def logprobs(ss):                                   # evaluate asks again, item by item, in the same order
-        nonlocal done
-        assert ss == seqs[done:done + len(ss)]
-        done += len(ss)
-        return scores[done - len(ss):done]
-    return evaluate.hellaswag(tok, items, logprobs, P.cfg.ctx, warn)
+    def fn(seqs):
+        T = min(P.cfg.ctx, -(-max(map(len, seqs)) // 64) * 64)
+        return gpu_logprobs(P, min(len(seqs), max(1, EVAL_TOKENS // T)), T, precision, attn)(seqs)
+    return fn
 
 
 def cmd_eval(argv):
@@ -4025,8 +4018,8 @@ def cmd_eval(argv):
     precision = precision_of(a, P.cfg)
     t0 = time.time()
     print(PRECISION_WORDS[precision], flush=True)
-    evaluate.run_eval(a, tok, P.cfg.ctx, gpu_logprobs(P, 8, P.cfg.ctx, precision, a.attn) if a.task == "bpb" else None,
-                      lambda tok, items, warn: gpu_hellaswag(tok, items, P, precision, a.attn, warn))
+    evaluate.run_eval(a, tok, P.cfg.ctx, gpu_logprobs(P, 8, P.cfg.ctx, precision, a.attn) if a.task == "bpb" else
+                      gpu_hellaswag_logprobs(P, precision, a.attn), batch_items=None)
     print(f"[{time.time() - t0:.1f} s]", file=sys.stderr)
 
 

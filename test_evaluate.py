@@ -201,7 +201,7 @@ def test_gpu_eval_agrees_with_the_cpu_engine_item_for_item(model, tmp_path):
     P, tok = model
     items = evaluate.load_hellaswag(str(FIX))
     cpu = evaluate.hellaswag(tok, items, ne.cpu_logprobs(P), P.cfg.ctx)
-    gpu = nc.gpu_hellaswag(tok, items, P, "fp32", "naive")
+    gpu = evaluate.hellaswag(tok, items, nc.gpu_hellaswag_logprobs(P, "fp32", "naive"), P.cfg.ctx, batch_items=None)
     assert gpu["preds"] == cpu["preds"] and (gpu["acc"], gpu["acc_norm"]) == (cpu["acc"], cpu["acc_norm"])
     seqs = [s for item in items for s in evaluate.hellaswag_sequences(tok, item, P.cfg.ctx)[0]]
     want = ne.cpu_logprobs(P)(seqs)
