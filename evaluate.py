@@ -167,10 +167,9 @@ def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None, batch_items=1):
     step, lps = batch_items or max(len(items), 1), []
     for i in range(0, len(items), step):
         lps += logprobs_fn([s for seqs, _, _ in tokd[i:i + step] for s in seqs])
-    preds = []
+    preds, lps = [], iter(lps)
     for item, (_, ns, _) in zip(items, tokd):
-        sums = [float(np.sum(lp[len(lp) - n:])) for lp, n in zip(lps[:len(ns)], ns)]
-        lps = lps[len(ns):]
+        sums = [float(np.sum(lp[len(lp) - n:])) for n, lp in zip(ns, lps)]    # ns first: zip stops on it
         norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
         preds.append((int(np.argmax(sums)), int(np.argmax(norm)), item["label"]))
     n = len(preds)

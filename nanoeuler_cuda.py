@@ -184,6 +184,11 @@ def _blas_lib():
     return _blas[0]
 
 
+def _data_type(x):
+    """An array's cudaDataType."""
+    return CUDA_R_16BF if x.dtype == BF else CUDA_R_32F
+
+
 def _gemm_ex(opb, opa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc, compute):
     """C = alpha op(B) op(A) + beta C on CuPy's handle, column-major (as mm calls it), the types the arrays':
     cublasLt with a per-shape algorithm (_lt_plan), else cublasGemmEx through ctypes (both capturable), or
@@ -193,7 +198,7 @@ def _gemm_ex(opb, opa, n, m, k, alpha, B, ldb, A, lda, beta, C, ldc, compute):
         plan = _lt_plan((opb, opa, n, m, k, ldb, lda, ldc, B.dtype.str, A.dtype.str, C.dtype.str, compute,
                          beta != 0, _align(B), _align(A), _align(C)), B, A, C, alpha, beta)
         return _lt_run(plan, plan.algo, alpha, B, A, beta, C)
-    t = lambda x: CUDA_R_16BF if x.dtype == BF else CUDA_R_32F
+    t = _data_type
     args = (_handle, opb, opa, n, m, k, _ptr(alpha), B.data.ptr, t(B), ldb, A.data.ptr, t(A), lda, _ptr(beta),
             C.data.ptr, t(C), ldc, compute, CUBLAS_GEMM_DEFAULT)
     lib = _blas_lib()
@@ -254,8 +259,7 @@ def _lt_plan(key, B, A, C, alpha, beta):
         return plan
     lib, h, ctypes = _lt
     opb, opa, n, m, k, ldb, lda, ldc, _, _, _, compute, _, alB, alA, alC = key
-    t = lambda x: CUDA_R_16BF if x.dtype == BF else CUDA_R_32F
-    plan, v = _LtPlan(), ctypes.c_void_p
+    t, plan, v = _data_type, _LtPlan(), ctypes.c_void_p
 
     def layout(dt, rows, cols, ld):
         d = v()
@@ -1107,8 +1111,9 @@ def xent_chunk(logits, dl, targets, scales, rowloss, n0, T, nmtp, want_grad, per
     as xent's."""
     rows = logits.shape[0]
     V = logits.shape[1] // nmtp
-    _k("xent_chunk_bl" if logits.dtype == BF else "xent_chunk")((rows, nmtp), (256,), (logits, dl, targets, scales, rowloss, I32(n0), I32(rowloss.shape[1]),
-                                            I32(T), I32(V), I32(nmtp), I32(nmtp if per_seq else 0), I32(want_grad)))
+    _k("xent_chunk_bl" if logits.dtype == BF else "xent_chunk")(
+        (rows, nmtp), (256,), (logits, dl, targets, scales, rowloss, I32(n0), I32(rowloss.shape[1]), I32(T), I32(V),
+                               I32(nmtp), I32(nmtp if per_seq else 0), I32(want_grad)))
 
 
 def loss_reduce(rowloss, inv_count, ce):
@@ -2524,7 +2529,8 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
     k = _k(f"attn_cached_{hd}" + ("_bf16" if out.dtype == BF else ""))   # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
-           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)), shared_mem=smem)
+           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)),
+           shared_mem=smem)
 
 
 MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
@@ -3581,10 +3587,16 @@ class Sampler:
         """The sampler's kernels and cuBLAS calls on its own stream (capture needs one), until closed."""
         return on_stream(self.stream)
 
+    def _copy_back(self, *copies):
+        """Queues (dev, host, n) copies of the first n items of device buffers into their pinned host copies
+        on the sampler's stream; -> an event that completes once they have landed."""
+        for dev, host, n in copies:
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, n * dev.itemsize, 2, self.stream.ptr)
+        return self.stream.record()
+
     def _host(self, dev, host, n):
         """The first n items of a device buffer, through its pinned copy (a sync)."""
-        dev[:n].get(out=host[:n], stream=self.stream)
-        self.stream.synchronize()
+        self._copy_back((dev, host, n)).synchronize()
         return host[:n]
 
     # --- plain decoding: the id drawn on the device; the host reads the ids every GEN_CHUNK steps ---
@@ -3607,10 +3619,9 @@ class Sampler:
                     for _ in range(min(GEN_CHUNK, n - made)):
                         self._run(key, lambda: self._decode_step(streams, sampling))
                         made += 1
-                    cp.cuda.runtime.memcpyAsync(self._tokens_h.ctypes.data + queued * streams * 4,
-                                                self.tokens.data.ptr + queued * streams * 4,
-                                                (made - queued) * streams * 4, 2, self.stream.ptr)   # to the host
-                    chunks.append((self.stream.record(), queued, made))
+                    a = queued * streams                 # the chunk's ids to the host
+                    chunks.append((self._copy_back((self.tokens[a:], self._tokens_h[a:], (made - queued) * streams)),
+                                   queued, made))
                     queued = made
             if not chunks:
                 break
@@ -3635,9 +3646,8 @@ class Sampler:
 
         def read_back(rounds):       # after `rounds` more: spec (a slot a chunk; two in flight) and the ids
             nonlocal slot
-            for dev, host, nb in ((self.spec, spec_h[slot], 24), (self.tokens, self._tokens_h, n * 4)):
-                cp.cuda.runtime.memcpyAsync(host.ctypes.data, dev.data.ptr, nb, 2, self.stream.ptr)
-            chunks.append((self.stream.record(), rounds, slot))
+            chunks.append((self._copy_back((self.spec, spec_h[slot], 6), (self.tokens, self._tokens_h, n)), rounds,
+                           slot))
             slot ^= 1
 
         def round_():
@@ -4282,12 +4292,13 @@ def selftest_generation(rng, randn, tol):
         tag = f"matvec K={K} ({matvec_plan(35, K)[1]} warps a unit)"
         for epi, norm, want, shape in (("out", nw, h @ W.T, 70), ("add", None, x0 + x @ W.T, 70),
                                        ("glu", nw, ne.swiglu_forward(h @ W.T), 35)):
-            big, one = (_d(x0) if epi == "add" else _nan(MATVEC_ROWS, shape)), (_d(x0[11:12]) if epi == "add" else _nan(1, shape))
+            big, one = (_d(x0), _d(x0[11:12])) if epi == "add" else (_nan(MATVEC_ROWS, shape), _nan(1, shape))
             nd = None if norm is None else _d(norm)
             matvec(big, _d(x), _d(W), epi, nd)
             matvec(one, _d(x[11:12]), _d(W), epi, nd)
             R.append((f"{tag} '{epi}', {MATVEC_ROWS} rows", rel_err(big, want), tol))
-            R.append((f"{tag} '{epi}': row 11 of {MATVEC_ROWS} == row alone (bitwise)", float(cp.abs(big[11] - one[0]).max()), 0.0))
+            R.append((f"{tag} '{epi}': row 11 of {MATVEC_ROWS} == row alone (bitwise)",
+                      float(cp.abs(big[11] - one[0]).max()), 0.0))
     for name in ("tiny", "small"):                       # the whole decode step against float64
         P = gradcheck_params(pl.CONFIGS[name], rng, scale=0.3)
         P64, smp = P.astype(np.float64), Sampler(P)

@@ -901,7 +901,8 @@ def test_gpu_generation_matches_cpu_engine(name):
     counts = {}
     for Q in (P, _shift_model([1, 2, 5], 20.0)):
         one, K, ctx = nc.Sampler(Q), Q.cfg.n_mtp, Q.cfg.ctx
-        for m, ids in ((1, prompt), (2, prompt), (n - 1, prompt), (50, [i % Q.cfg.vocab for i in range(1, ctx - 5)])):
+        end = [i % Q.cfg.vocab for i in range(1, ctx - 5)]                # a prompt near the context's end
+        for m, ids in ((1, prompt), (2, prompt), (n - 1, prompt), (50, end)):
             dev, host = {}, {}
             got = list(one.generate(ids, m, greedy, speculative=True, stats=dev))
             one.pos = 0
