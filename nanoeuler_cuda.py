@@ -3550,7 +3550,7 @@ class Sampler:
         0..streams-1, each stream's seen ids set; state = [0, 0] after."""
         Tn, V = len(ids), self.cfg.vocab
         self._set_state(0, ids)
-        self._forward(Tn, 1, heads, prefill=True)
+        self._run(("prefill", Tn, heads), lambda: self._forward(Tn, 1, heads, prefill=True))
         if streams > 1:
             lg = self._lg(streams, heads)
             lg[1:] = lg[0]
