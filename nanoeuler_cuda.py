@@ -3575,7 +3575,7 @@ class Sampler:
         fn()
         if not self.graphs:
             return
-        graph = capture(self.stream, fn, "a decode step")
+        graph = capture(self.stream, fn, f"generation ({key[0]})")
         if graph is None:
             self.graphs = False
             return

@@ -912,6 +912,7 @@ def test_gpu_generation_matches_cpu_engine(name):
             for key in dev:
                 counts[key] = counts.get(key, 0) + dev[key]
     assert 0 < counts["accepted"] < counts["drafted"], counts             # both outcomes of a draft were met
+    assert gpu.graphs and one.graphs     # every step and prefill (prompts of 16 and of ctx - 6) was captured
     # more streams than matvec takes: cuBLAS products from bf16 weights. Every stream takes the same greedy
     # ids, and each is a greedy choice up to bf16's rounding: the CPU engine's logits along those ids put it
     # within 2% of the logits' range of the best
