@@ -1014,9 +1014,6 @@ def test_out_of_memory_batch_gets_one_line(tmp_path):
 # ====================================================================================================
 # the tokenizer: bpe.py
 
-BPE_SCRIPT = bpe.__file__
-
-
 def _corpus():
     """A small mixed corpus: English, accents, CJK, emoji, digits, code-like whitespace."""
     rng = random.Random(0)
@@ -1231,23 +1228,20 @@ def test_parallel_file_encoding_equals_whole_text(tmp_path, allow_special):
     assert n_tokens == len(expected) and n_bytes == size
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, BPE_SCRIPT, *map(str, args)], capture_output=True, text=True)
-
-
 def test_cli_train_encode_stats(tmp_path):
     (tmp_path / "c.txt").write_text(CORPUS, encoding="utf-8")
-    r = _cli("train", tmp_path / "c.txt", "--vocab", 400, "-o", tmp_path / "c.tok")
+    r = run_engine("bpe.py", "train", tmp_path / "c.txt", "--vocab", 400, "-o", tmp_path / "c.tok")
     assert r.returncode == 0, r.stderr
     assert bpe.Tokenizer.load(tmp_path / "c.tok").to_string() == TOK.to_string()
     doc = "one doc<|endoftext|>two doc"
     (tmp_path / "d.txt").write_text(doc, encoding="utf-8")
-    assert _cli("encode", tmp_path / "c.tok", tmp_path / "d.txt", "-o", tmp_path / "d.bin").returncode == 0
+    r = run_engine("bpe.py", "encode", tmp_path / "c.tok", tmp_path / "d.txt", "-o", tmp_path / "d.bin")
+    assert r.returncode == 0, r.stderr
     assert _bin_ids(tmp_path / "d.bin") == TOK.encode(doc, "all")
-    r = _cli("stats", tmp_path / "c.tok", tmp_path / "c.txt")
+    r = run_engine("bpe.py", "stats", tmp_path / "c.tok", tmp_path / "c.txt")
     assert r.returncode == 0 and "bytes/token" in r.stdout
     for cmd in ("train", "encode", "stats"):
-        assert _cli(cmd, "--help").returncode == 0
+        assert run_engine("bpe.py", cmd, "--help").returncode == 0
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -1262,7 +1256,7 @@ def test_cli_errors_are_one_line(tmp_path):
              ("stats", tmp_path / "t.tok", tmp_path / "empty.txt"),
              ("train", tmp_path / "binary.txt", "--vocab", 300, "-o", tmp_path / "o.tok")]
     for args in cases:
-        r = _cli(*args)
+        r = run_engine("bpe.py", *args)
         assert r.returncode == 1, args
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)

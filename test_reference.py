@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import bpe
-from conftest import ROOT
+from conftest import ROOT, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -702,13 +702,11 @@ def _cli_cases(d):
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("cli"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NANOEULER_CACHE=os.path.join(d, "cache"))
 
     def run(case):
         name, argv, words = case
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "nanoeuler.py"), *map(str, argv)], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=300)
-        return name, (r, words)
+        return name, (run_engine("nanoeuler.py", *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
+                                 timeout=300), words)
     with ThreadPoolExecutor(4) as pool:
         return dict(pool.map(run, _cli_cases(d)))
 
