@@ -383,6 +383,7 @@ def _bmm(C, A, B, ta, tb, alpha, beta):
 
 
 I32, F32 = np.int32, np.float32
+NULL = np.uint64(0)     # a null pointer argument
 
 
 def _pinned(n, dtype=np.int32):
@@ -406,7 +407,7 @@ def launch(kernel, grid, block, args, shared_mem=0):
     the kernel may start while the stream's previous kernel still runs, and must dep_wait() (COMMON) before
     it reads what that kernel writes. The decode step's kernels start early to load their weights. Where
     cuLaunchKernelEx is missing, a plain launch: the same results, without the overlap. args: CuPy arrays,
-    numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed)."""
+    numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed), NULL for a null pointer."""
     global _launch_ex
     if _launch_ex is None:
         import ctypes
@@ -430,7 +431,7 @@ def launch(kernel, grid, block, args, shared_mem=0):
     fn, Config, attr, ctypes = (_launch_ex + [None] * 3)[:4]
     if fn is None:
         return kernel(grid, block, args, shared_mem=shared_mem)
-    c = {np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.int64: ctypes.c_longlong}
+    c = {np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.int64: ctypes.c_longlong, np.uint64: ctypes.c_uint64}
     vals = [ctypes.c_void_p(a.data.ptr) if hasattr(a, "data") and hasattr(a.data, "ptr") else c[type(a)](a)
             for a in args]
     ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
@@ -2078,7 +2079,8 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
 #     product. They are launched as programmatic dependent launches (launch()): each starts while the one
 #     before it runs and loads its weights (or the cached keys) into shared memory, then waits for its
 #     input, so the step is a chain of short waits rather than of loads (big: 1,800 -> 3,075 tokens/s).
-#     More rows (a prompt, a batch of streams) take cuBLAS and rope_store. sample_tokens draws each stream's
+#     More rows take cuBLAS: a prompt with rope_store; a batch of streams with attn_warps, a block per kv head
+#     and stream, which also rotates the row and appends it to the caches. sample_tokens draws each stream's
 #     next id by pipeline.Sampling's rule; argmax_heads and spec_round, greedy speculative decoding. Each row's
 #     result depends on that row alone, never on how many rows the step has: a verify step of speculative
 #     decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
@@ -2205,6 +2207,148 @@ template <int HD, typename TO> __device__ void attn_cached_body(
 #pragma unroll
     for (int o = 1; o < KG; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (r == 0) stf(out + n * Cq + (i64)h * HD + d, acc / l);
+}
+// The KV-cache attention of a step of many rows (a batch of streams): one block of NW warps per (row, kv
+// head, stream) for the GQ query heads that share the kv head, so each key and value is loaded once (a
+// block per query head loads them GQ times: L2 bandwidth bound, 9 us a call at 64 streams of big at 116
+// keys, against 5.6). A key takes LPK = HD/8 lanes, 8 dims each (two float4 of the key, of the value, of each query and
+// output), so a warp takes KPS = 32/LPK keys a step: a score is summed over LPK lanes by log2(LPK)
+// shuffles (a lane a dim: 5 shuffles a key and head, which bound the kernel). Warp w takes G steps a round,
+// their 2G loads per lane in flight together, no block barrier. Each key slot of a warp keeps its own online
+// softmax per head; at the end the slots are combined by shuffles, then the warps in warp order.
+__device__ __forceinline__ void softmax_merge(float& m, float& l, float* acc, float m2, float l2,
+                                              const float* acc2, int n) {
+    const float M = fmaxf(m, m2);                         // both empty (-inf): stays empty
+    const float c1 = m == NEG_INF ? 0.f : expf(m - M), c2 = m2 == NEG_INF ? 0.f : expf(m2 - M);
+    l = l * c1 + l2 * c2;
+    for (int e = 0; e < n; e++) acc[e] = acc[e] * c1 + acc2[e] * c2;
+    m = M;
+}
+template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps_body(
+        const float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, TO* __restrict__ out,
+        const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows,
+        int Hkv, int ctx, float scale) {
+    constexpr int LPK = HD / 8, KPS = 32 / LPK;
+    __shared__ float wm[GQ][NW], wl[GQ][NW];
+    __shared__ __align__(16) float wo[GQ][NW][HD];
+    const int t = blockIdx.x, j = blockIdx.y, b = blockIdx.z, Cq = GQ * Hkv * HD;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, slot = lane / LPK, d0 = 8 * (lane % LPK);
+    const i64 n = (i64)b * rows + t;
+    float* K = kc + ((i64)b * Hkv + j) * ctx * HD + d0;       // (written here where cosv: not read-only)
+    float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD + d0;
+    dep_wait();
+    const int nk = state[0] + t + 1, half = HD / 2, i0 = d0 % half;
+    const float* row = qkv + n * (Cq + 2 * Hkv * HD);
+    // cosv (rows == 1): the row's q and k are rotated here and its k and v appended at position nk - 1, as
+    // rope_append does (rope_store's launch saved); a pair's other half is LPK/2 lanes away
+    auto load8 = [&](float* r, const float* src, bool rotate) {
+        const float4 u = reinterpret_cast<const float4*>(src)[0], v = reinterpret_cast<const float4*>(src)[1];
+        r[0] = u.x; r[1] = u.y; r[2] = u.z; r[3] = u.w; r[4] = v.x; r[5] = v.y; r[6] = v.z; r[7] = v.w;
+        if (!rotate) return;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float o = __shfl_xor_sync(0xffffffffu, r[e], LPK / 2);
+            const float cs = cosv[(nk - 1) * half + i0 + e], sn = sinv[(nk - 1) * half + i0 + e];
+            r[e] = d0 < half ? r[e] * cs - o * sn : r[e] * cs + o * sn;
+        }
+    };
+    float kn[8], vn[8];                                   // cosv: the new key and value, which every warp
+    if (cosv != nullptr) {                                // takes from here (no barrier); warp 0 appends them
+        load8(kn, row + Cq + j * HD + d0, true);
+        load8(vn, row + Cq + (Hkv + j) * HD + d0, false);
+        if (w == 0 && slot == 0)
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                K[(i64)(nk - 1) * HD + e] = kn[e];
+                Vv[(i64)(nk - 1) * HD + e] = vn[e];
+            }
+    }
+    float q[GQ][8], acc[GQ][8], m[GQ], l[GQ];
+#pragma unroll
+    for (int h = 0; h < GQ; h++) {
+        m[h] = NEG_INF;
+        l[h] = 0.f;
+        load8(q[h], row + (j * GQ + h) * HD + d0, cosv != nullptr);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            q[h][e] *= scale;
+            acc[h][e] = 0.f;
+        }
+    }
+    for (int k0 = w * G * KPS + slot; k0 < nk + slot; k0 += NW * G * KPS) {   // warp w's round: G steps
+        float4 kv[G][2], vv[G][2];
+        float s[GQ][G];
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const int k = min(k0 + g * KPS, nk - 1);      // past the last key: a copy of it, scored -inf below
+            const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * HD);
+            const float4* vr = reinterpret_cast<const float4*>(Vv + (i64)k * HD);
+            kv[g][0] = kr[0]; kv[g][1] = kr[1];
+            vv[g][0] = vr[0]; vv[g][1] = vr[1];
+            if (cosv != nullptr && k0 + g * KPS == nk - 1) {
+                kv[g][0] = make_float4(kn[0], kn[1], kn[2], kn[3]); kv[g][1] = make_float4(kn[4], kn[5], kn[6], kn[7]);
+                vv[g][0] = make_float4(vn[0], vn[1], vn[2], vn[3]); vv[g][1] = make_float4(vn[4], vn[5], vn[6], vn[7]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < GQ; h++)
+#pragma unroll
+            for (int g = 0; g < G; g++)
+                s[h][g] = q[h][0] * kv[g][0].x + q[h][1] * kv[g][0].y + q[h][2] * kv[g][0].z + q[h][3] * kv[g][0].w +
+                          q[h][4] * kv[g][1].x + q[h][5] * kv[g][1].y + q[h][6] * kv[g][1].z + q[h][7] * kv[g][1].w;
+#pragma unroll
+        for (int o = 1; o < LPK; o <<= 1)                 // each key's LPK lanes: GQ * G sums, interleaved
+#pragma unroll
+            for (int h = 0; h < GQ; h++)
+#pragma unroll
+                for (int g = 0; g < G; g++) s[h][g] += __shfl_xor_sync(0xffffffffu, s[h][g], o);
+#pragma unroll
+        for (int h = 0; h < GQ; h++) {
+            float mx = m[h];
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (k0 + g * KPS >= nk) s[h][g] = NEG_INF;
+                mx = fmaxf(mx, s[h][g]);
+            }
+            if (mx == NEG_INF) continue;                  // this slot has no key this round
+            const float c = expf(m[h] - mx);
+            l[h] *= c;
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[h][e] *= c;
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float p = expf(s[h][g] - mx);
+                l[h] += p;
+                acc[h][0] += p * vv[g][0].x; acc[h][1] += p * vv[g][0].y;
+                acc[h][2] += p * vv[g][0].z; acc[h][3] += p * vv[g][0].w;
+                acc[h][4] += p * vv[g][1].x; acc[h][5] += p * vv[g][1].y;
+                acc[h][6] += p * vv[g][1].z; acc[h][7] += p * vv[g][1].w;
+            }
+            m[h] = mx;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < GQ; h++) {
+#pragma unroll
+        for (int o = LPK; o < 32; o <<= 1) {              // the warp's key slots merged (the same in every slot)
+            float a2[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) a2[e] = __shfl_xor_sync(0xffffffffu, acc[h][e], o);
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[h], o), l2 = __shfl_xor_sync(0xffffffffu, l[h], o);
+            softmax_merge(m[h], l[h], acc[h], m2, l2, a2, 8);
+        }
+        if (lane == 0) { wm[h][w] = m[h]; wl[h][w] = l[h]; }
+        if (slot == 0)
+#pragma unroll
+            for (int e = 0; e < 8; e++) wo[h][w][d0 + e] = acc[h][e];
+    }
+    __syncthreads();
+    if (w >= GQ) return;                                  // warp h merges head h's warps, in order
+    for (int d = lane; d < HD; d += 32) {
+        float M = wm[w][0], L = wl[w][0], o = wo[w][0][d];
+        for (int i = 1; i < NW; i++) softmax_merge(M, L, &o, wm[w][i], wl[w][i], &wo[w][i][d], 1);
+        stf(out + n * Cq + (i64)(j * GQ + w) * HD + d, o / L);
+    }
 }
 // The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
 // and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
@@ -2499,13 +2643,23 @@ extern "C" __global__ void spec_round(const int* __restrict__ am, int K, int* __
 """
 ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
 ATTN_THREADS = 256                    # its block (the kernel's NT)
-ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks share the SMs
+ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks share the SMs (where
+                                      # attn_warps_body does not serve)
+ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which takes a step of many rows
+ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
+ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (of 8 and 2 warps, 4 and 2 steps: the
+                                      # fastest at 16-500 keys)
 MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
 INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
     [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
      f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
      f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
      f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
+    [f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) attn_warps_{hd}_g{gq}{sfx}(const float* '
+     f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
+     f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
+     f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
+     f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
     [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
      f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
      f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
@@ -2520,9 +2674,24 @@ def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
                                                                      I32(Hq), I32(Hkv), I32(hd), I32(ctx)))
 
 
-def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd):
+def attn_warps(R, Hq, Hkv, hd):
+    """Whether attn_cached takes attn_warps_body: a step of many rows."""
+    return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
+
+
+def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
+    """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
+    rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
+    here."""
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
+    if attn_warps(R, Hq, Hkv, hd):                          # many blocks that share the SMs
+        assert rope is None or rows == 1
+        cos, sin = rope or (NULL, NULL)
+        k = _k(f"attn_warps_{hd}_g{Hq // Hkv}" + ("_bf16" if out.dtype == BF else ""))
+        return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
+                      (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
+    assert rope is None
     ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
                                                                          # that share SMs
     smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
@@ -3532,13 +3701,15 @@ class Sampler:
         x, qkv = self.x[:R], self.qkv[:R]
         att, act = (self.attb[:R], self.actb[:R]) if bf else (self.att[:R], self.act[:R])
         embed_fwd(P["tok_emb"], self.state[2:2 + R], x)
+        fold = bf and rows == 1 and attn_warps(R, Hq, Hkv, hd)      # the attention rotates and appends
         for l in range(L):
             p = f"layers.{l}."
-            self._linear(qkv, x, (p + "wq", p + "wv"), "rope", P[p + "attn_norm"], l, rows, bf)
+            self._linear(qkv, x, (p + "wq", p + "wv"), "out" if fold else "rope", P[p + "attn_norm"], l, rows, bf)
             if prefill and hd in (32, 64):                                  # the prompt starts at 0
                 flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
             else:
-                attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd)
+                attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd,
+                            (self.cos, self.sin) if fold else None)
             self._linear(x, att, (p + "wo",) * 2, "add", bf=bf)                 # x += attention
             self._linear(act, x, (p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], bf=bf)
             self._linear(x, act, (p + "w2",) * 2, "add", bf=bf)                 # x += ffn
@@ -4260,15 +4431,31 @@ def selftest_generation(rng, randn, tol):
     ob = cp.full((ns * 3, Cq), 0x7fc0, BF)                # bf16 out (the batched decode step's), NaNs first
     attn_cached(g, kc, vc, ob, state, 3, Hq, Hkv, hd)
     R.append(("  the 3-row step, bf16 out", rel_err(bf16_float(cp.asnumpy(ob)).reshape(ns, 3, Cq), out_r[:, 7:]), 1e-2))
-    S, p0, e = MATVEC_ROWS + 1, 70, 0.0           # a step of many streams: keys in chunks, every head dim
-    for d in ATTN_CACHED_HD:
-        kc3, vc3, q3, o3 = randn(S, Hkv, 80, d), randn(S, Hkv, 80, d), randn(S, (Hq + 2 * Hkv) * d), _nan(S, Hq * d)
-        attn_cached(_d(q3), _d(kc3), _d(vc3), o3, cp.asarray(np.array([p0, 0], np.int32)), 1, Hq, Hkv, d)
-        k, v = (np.repeat(c[:, :, :p0 + 1], Hq // Hkv, axis=1) for c in (kc3, vc3))     # (S, Hq, keys, d)
-        sc = q3[:, :Hq * d].reshape(S, Hq, 1, d) @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
-        p = np.exp(sc - sc.max(-1, keepdims=True))
-        e = max(e, rel_err(o3, (p / p.sum(-1, keepdims=True) @ v).reshape(S, Hq * d)))
-    R.append((f"  a step of {S} streams at {p0} (keys in chunks), head dims {ATTN_CACHED_HD}", e, tol))
+    S, p0, st0, e, er, ec = MATVEC_ROWS + 1, 70, cp.asarray(np.array([70, 0], np.int32)), 0.0, 0.0, 0.0
+    for d in ATTN_CACHED_HD:                       # a step of many streams: every head dim, 1-4 q heads a kv head
+        for Hq3 in (2, 4, 6, 8):
+            Hkv3, C3 = 2, (Hq3 + 4) * d
+            kc3, vc3, q3, o3 = randn(S, Hkv3, 80, d), randn(S, Hkv3, 80, d), randn(S, C3), _nan(S, Hq3 * d)
+            fold = attn_warps(S, Hq3, Hkv3, d) and Hq3 == 6    # also: RoPE and the append done by the attention
+            if fold:
+                c64, kd, vd = pl.rope_tables(80, d, np.float64), _d(kc3), _d(vc3)
+                attn_cached(_d(q3), kd, vd, o3, st0, 1, Hq3, Hkv3, d, tuple(_d(a.astype(np.float32)) for a in c64))
+                for c0, H in ((0, Hq3), (Hq3 * d, Hkv3)):
+                    q3[:, c0:c0 + H * d] = ne.rope_forward(q3[:, c0:c0 + H * d].reshape(S, H, d), np.full(S, p0),
+                                                           *c64).reshape(S, H * d)
+                kc3[:, :, p0], vc3[:, :, p0] = (q3[:, c0:c0 + Hkv3 * d].reshape(S, Hkv3, d) for c0 in
+                                                (Hq3 * d, (Hq3 + Hkv3) * d))
+                ec = max(ec, rel_err(kd[:, :, p0], kc3[:, :, p0]), rel_err(vd[:, :, p0], vc3[:, :, p0]))
+            else:
+                attn_cached(_d(q3), _d(kc3), _d(vc3), o3, st0, 1, Hq3, Hkv3, d)
+            k, v = (np.repeat(c[:, :, :p0 + 1], Hq3 // Hkv3, axis=1) for c in (kc3, vc3))     # (S, Hq, keys, d)
+            sc = q3[:, :Hq3 * d].reshape(S, Hq3, 1, d) @ k.transpose(0, 1, 3, 2) / math.sqrt(d)
+            p = np.exp(sc - sc.max(-1, keepdims=True))
+            err = rel_err(o3, (p / p.sum(-1, keepdims=True) @ v).reshape(S, Hq3 * d))
+            e, er = (e, max(er, err)) if fold else (max(e, err), er)
+    R.append((f"  a step of {S} streams at {p0}, head dims {ATTN_CACHED_HD}, 1-4 q heads a kv head", e, tol))
+    R.append((f"  the same, RoPE and the append in the attention (head dims {ATTN_WARPS_HD})", er, tol))
+    R.append(("    its k and v appended to the caches", ec, tol))
     gu = randn(5, 140)
     act = cp.full((5, 70), 0x7fc0, BF)
     swiglu_fwd(_d(gu), act)
