@@ -2647,8 +2647,8 @@ ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks s
                                       # attn_warps_body does not serve)
 ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which takes a step of many rows
 ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
-ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (of 8 and 2 warps, 4 and 2 steps: the
-                                      # fastest at 16-500 keys)
+ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
+                                      # at 116-500 keys)
 MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
 INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
     [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
