@@ -764,8 +764,11 @@ def test_every_kernel_has_a_launcher_and_a_check():
             m = re.fullmatch(r"(flash(?:_bf16)?)_(fwd|bwd|dq|dkdv)_\d+", name)   # launched as f"flash_..._{hd}"
             a = re.fullmatch(r"attn_cached_(\d+)(?:_bf16)?", name)                # f"attn_cached_{hd}" (+ "_bf16")
             v = re.fullmatch(r"matvec_(\w+)_p(\d+)", name)                        # f"matvec_{epi}_p{parts}"
+            w = re.fullmatch(r"attn_warps_(\d+)_g(\d+)(?:_bf16)?", name)         # f"attn_warps_{hd}_g{Hq // Hkv}"
             assert (f'"{name}"' in py or (m and f'_{m.group(1)}_kernel("{m.group(2)}"' in py)
                     or (a and 'f"attn_cached_{hd}"' in py and int(a.group(1)) in nc.ATTN_CACHED_HD)
+                    or (w and 'f"attn_warps_{hd}_g{Hq // Hkv}"' in py and int(w.group(1)) in nc.ATTN_WARPS_HD
+                        and int(w.group(2)) in nc.ATTN_WARPS_GQ)
                     or (v and 'f"matvec_{epi}_p{parts}"' in py and v.group(1) in nc.MATVEC_EPI
                         and int(v.group(2)) in {nc.matvec_plan(n, 1024, 132)[1] for n in (1, 200, 300, 1000)})), name
 
