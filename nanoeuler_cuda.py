@@ -2211,11 +2211,11 @@ template <int HD, typename TO> __device__ void attn_cached_body(
 // The KV-cache attention of a step of many rows (a batch of streams): one block of NW warps per (row, kv
 // head, stream) for the GQ query heads that share the kv head, so each key and value is loaded once (a
 // block per query head loads them GQ times: L2 bandwidth bound, 9 us a call at 64 streams of big at 116
-// keys, against 5.6). A key takes LPK = HD/8 lanes, 8 dims each (two float4 of the key, of the value, of each query and
-// output), so a warp takes KPS = 32/LPK keys a step: a score is summed over LPK lanes by log2(LPK)
-// shuffles (a lane a dim: 5 shuffles a key and head, which bound the kernel). Warp w takes G steps a round,
-// their 2G loads per lane in flight together, no block barrier. Each key slot of a warp keeps its own online
-// softmax per head; at the end the slots are combined by shuffles, then the warps in warp order.
+// keys, against 5.6). A key takes LPK = HD/8 lanes, 8 dims each (of the key, the value, each query and each
+// output), so a warp takes KPS = 32/LPK keys a step: a score is summed over LPK lanes by log2(LPK) shuffles
+// (a lane a dim: 5 shuffles a key and head, which bound the kernel). Warp w takes G steps a round, their 2G
+// loads per lane in flight together, no block barrier. Each key slot of a warp keeps its own online softmax
+// per head; at the end the slots are combined by shuffles, then the warps in warp order.
 __device__ __forceinline__ void softmax_merge(float& m, float& l, float* acc, float m2, float l2,
                                               const float* acc2, int n) {
     const float M = fmaxf(m, m2);                         // both empty (-inf): stays empty
@@ -2242,8 +2242,7 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
     // cosv (rows == 1): the row's q and k are rotated here and its k and v appended at position nk - 1, as
     // rope_append does (rope_store's launch saved); a pair's other half is LPK/2 lanes away
     auto load8 = [&](float* r, const float* src, bool rotate) {
-        const float4 u = reinterpret_cast<const float4*>(src)[0], v = reinterpret_cast<const float4*>(src)[1];
-        r[0] = u.x; r[1] = u.y; r[2] = u.z; r[3] = u.w; r[4] = v.x; r[5] = v.y; r[6] = v.z; r[7] = v.w;
+        ldv<8>(src, r);
         if (!rotate) return;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -2276,26 +2275,27 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
         }
     }
     for (int k0 = w * G * KPS + slot; k0 < nk + slot; k0 += NW * G * KPS) {   // warp w's round: G steps
-        float4 kv[G][2], vv[G][2];
-        float s[GQ][G];
+        float kv[G][8], vv[G][8], s[GQ][G];
 #pragma unroll
         for (int g = 0; g < G; g++) {
             const int k = min(k0 + g * KPS, nk - 1);      // past the last key: a copy of it, scored -inf below
-            const float4* kr = reinterpret_cast<const float4*>(K + (i64)k * HD);
-            const float4* vr = reinterpret_cast<const float4*>(Vv + (i64)k * HD);
-            kv[g][0] = kr[0]; kv[g][1] = kr[1];
-            vv[g][0] = vr[0]; vv[g][1] = vr[1];
-            if (cosv != nullptr && k0 + g * KPS == nk - 1) {
-                kv[g][0] = make_float4(kn[0], kn[1], kn[2], kn[3]); kv[g][1] = make_float4(kn[4], kn[5], kn[6], kn[7]);
-                vv[g][0] = make_float4(vn[0], vn[1], vn[2], vn[3]); vv[g][1] = make_float4(vn[4], vn[5], vn[6], vn[7]);
-            }
+            ldv<8>(K + (i64)k * HD, kv[g]);
+            ldv<8>(Vv + (i64)k * HD, vv[g]);
+            if (cosv != nullptr && k0 + g * KPS == nk - 1)
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    kv[g][e] = kn[e];
+                    vv[g][e] = vn[e];
+                }
         }
 #pragma unroll
         for (int h = 0; h < GQ; h++)
 #pragma unroll
-            for (int g = 0; g < G; g++)
-                s[h][g] = q[h][0] * kv[g][0].x + q[h][1] * kv[g][0].y + q[h][2] * kv[g][0].z + q[h][3] * kv[g][0].w +
-                          q[h][4] * kv[g][1].x + q[h][5] * kv[g][1].y + q[h][6] * kv[g][1].z + q[h][7] * kv[g][1].w;
+            for (int g = 0; g < G; g++) {
+                s[h][g] = q[h][0] * kv[g][0];
+#pragma unroll
+                for (int e = 1; e < 8; e++) s[h][g] += q[h][e] * kv[g][e];
+            }
 #pragma unroll
         for (int o = 1; o < LPK; o <<= 1)                 // each key's LPK lanes: GQ * G sums, interleaved
 #pragma unroll
@@ -2319,10 +2319,8 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
             for (int g = 0; g < G; g++) {
                 const float p = expf(s[h][g] - mx);
                 l[h] += p;
-                acc[h][0] += p * vv[g][0].x; acc[h][1] += p * vv[g][0].y;
-                acc[h][2] += p * vv[g][0].z; acc[h][3] += p * vv[g][0].w;
-                acc[h][4] += p * vv[g][1].x; acc[h][5] += p * vv[g][1].y;
-                acc[h][6] += p * vv[g][1].z; acc[h][7] += p * vv[g][1].w;
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[h][e] += p * vv[g][e];
             }
             m[h] = mx;
         }
@@ -3635,9 +3633,10 @@ class Sampler:
         self.lse = e(Hq * ctx)
         self.logits = e(max(streams, K) * K * V)
         # K positions past the context: a speculative round verifies K rows wherever it starts (the rows past
-        # what it keeps are rewritten before they are read), and its graph may replay after the end
-        self.kc = [cp.zeros((streams, Hkv, ctx + K, hd), np.float32) for _ in range(L)]
-        self.vc = [cp.zeros((streams, Hkv, ctx + K, hd), np.float32) for _ in range(L)]
+        # what it keeps are rewritten before they are read), and its graph may replay after the end. One array
+        # (keys and values, layers, streams, ...): a prompt is copied to every stream in one launch
+        self.kv = cp.zeros((2, L, streams, Hkv, ctx + K, hd), np.float32)
+        self.kc, self.vc = list(self.kv[0]), list(self.kv[1])           # each layer's, (streams, Hkv, ctx + K, hd)
         # device state [pos, step, the step's input ids] and its pinned host staging; what graphs read
         # must keep its address, so every buffer is made here once
         self.state, self._state_h = cp.zeros(2 + R, np.int32), _pinned(2 + R)
@@ -3725,9 +3724,7 @@ class Sampler:
         if streams > 1:
             lg = self._lg(streams, heads)
             lg[1:] = lg[0]
-            for kc, vc in zip(self.kc, self.vc):
-                kc[1:streams, :, :Tn] = kc[0, :, :Tn]
-                vc[1:streams, :, :Tn] = vc[0, :, :Tn]
+            self.kv[:, :, 1:streams, :, :Tn] = self.kv[:, :, :1, :, :Tn]
         self.seen[:streams] = cp.asarray((np.bincount(ids, minlength=V)[:V] > 0).astype(np.int32))
         self.pos = Tn
 
