@@ -180,7 +180,7 @@ def export_hf(P, tok, extra, out):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "max_position_embeddings": cfg.ctx,
-        "vocab_size": cfg.vocab, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "vocab_size": cfg.vocab, "rms_norm_eps": pl.RMS_EPS, "rope_theta": pl.ROPE_THETA, "rope_scaling": None,
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32",
         "nanoeuler": {"kind": extra.get("kind", "base"), "n_mtp": cfg.n_mtp, "mtp_weight": cfg.mtp_weight,
@@ -225,8 +225,8 @@ def export_gguf(P, tok, out, dtype):
     w.add_head_count(cfg.n_heads)
     w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(pl.ROPE_THETA)
+    w.add_layer_norm_rms_eps(pl.RMS_EPS)
     w.add_vocab_size(cfg.vocab)
     w.add_file_type(ftype)
     # the tokenizer as GPT-2's: byte-level strings, merges by rank, the gpt-2 pre-tokenizer; ids past the
@@ -304,13 +304,13 @@ def _config_from_hf(c, where):
         raise UserError(f"{where} ties lm_head to the embedding; NanoEuler's head 0 is a matrix of its own "
                         "(untie it: set lm_head to a copy of embed_tokens, then tie_word_embeddings false)")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}          # transformers 5 | 4
-    theta, scaling = c.get("rope_theta", rope.get("rope_theta", 10000.0)), rope.get("rope_type", rope.get("type"))
+    theta, scaling = c.get("rope_theta", rope.get("rope_theta", pl.ROPE_THETA)), rope.get("rope_type", rope.get("type"))
     D, Hq = c["hidden_size"], c["num_attention_heads"]
     Hkv = c.get("num_key_value_heads") or Hq
     wrong = [what for what, bad in (
         (f"hidden_act {c.get('hidden_act')} (silu)", c.get("hidden_act", "silu") != "silu"),
-        (f"rms_norm_eps {c.get('rms_norm_eps')} (1e-5)", not math.isclose(c.get("rms_norm_eps", 1e-6), 1e-5)),
-        (f"rope_theta {theta} (10000)", theta != 10000),
+        (f"rms_norm_eps {c.get('rms_norm_eps')} ({pl.RMS_EPS:g})", not math.isclose(c.get("rms_norm_eps", 1e-6), pl.RMS_EPS)),
+        (f"rope_theta {theta} ({pl.ROPE_THETA:g})", theta != pl.ROPE_THETA),
         (f"rope scaling {scaling} (none)", scaling not in (None, "default")),
         (f"head_dim {c.get('head_dim')} ({D // Hq})", c.get("head_dim", D // Hq) != D // Hq or D % Hq),
         ("attention or MLP bias", c.get("attention_bias") or c.get("mlp_bias")),

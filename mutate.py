@@ -111,8 +111,8 @@ MUTANTS = [
     ("guesses at one position see each other", "nanoeuler.py",
      [("if u == t or off[u] < off[t]:", "if u == t or off[u] <= off[t]:", 1)]),
     # model constants (forward and backward changed alike, so gradcheck passes)
-    ("rmsnorm eps 1e-6", "nanoeuler.py", [("np.sqrt(ss / D + 1e-5)", "np.sqrt(ss / D + 1e-6)", 1)]),
-    ("rope theta 500000", "pipeline.py", [("freqs = 10000.0 ** (", "freqs = 500000.0 ** (", 1)]),
+    ("rmsnorm eps 1e-6", "nanoeuler.py", [("np.sqrt(ss / D + RMS_EPS)", "np.sqrt(ss / D + 1e-6)", 1)]),
+    ("rope theta 500000", "pipeline.py", [("freqs = ROPE_THETA ** (", "freqs = 500000.0 ** (", 1)]),
     ("rope frequencies i/hd", "pipeline.py", [("-np.arange(0, hd // 2) * 2.0 / hd", "-np.arange(0, hd // 2) * 1.0 / hd", 1)]),
     ("rope turns the other way", "nanoeuler.py", [("u[n, h, i] = a * c - b * s", "u[n, h, i] = a * c + b * s", 1),
                                                   ("u[n, h, i + half] = b * c + a * s", "u[n, h, i + half] = b * c - a * s", 1)]),

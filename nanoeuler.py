@@ -24,7 +24,7 @@ import numpy as np
 import evaluate
 import pipeline as pl
 import serve
-from pipeline import Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
+from pipeline import RMS_EPS, Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
 
 try:
     from llvmlite import ir
@@ -138,7 +138,7 @@ def _rmsnorm_fwd(x, w, y, rstd):
         ss = 0.0
         for d in range(D):
             ss += x[n, d] * x[n, d]
-        rstd[n] = 1.0 / np.sqrt(ss / D + 1e-5)
+        rstd[n] = 1.0 / np.sqrt(ss / D + RMS_EPS)
         r = rstd[n]                                    # in x's dtype, so the row below stays in it
         for d in range(D):
             y[n, d] = x[n, d] * r * w[d]
@@ -1144,11 +1144,11 @@ def parser():
     serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", speculative_help=SPECULATIVE_HELP)
     f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
                        description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
-    pl.add_sft_flags(f, ckpt="out/ckpt.npz", out="out_chat", batch=8, seq=256, lr=1e-3)
+    pl.add_sft_flags(f, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], **pl.SFT_DEFAULTS["cpu"])
     o = sub.add_parser("dpo", help="align a chat checkpoint with preference pairs (DPO)",
                        description="direct preference optimisation (CONTRACT.md \"DPO\") of a chat checkpoint on pairs "
                                    "of a chosen and a rejected answer, against itself frozen; writes a chat checkpoint")
-    pl.add_dpo_flags(o, ckpt="out_chat/ckpt.npz", out="out_dpo", steps=75, batch=8, lr=1e-5)
+    pl.add_dpo_flags(o, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"])
     x = sub.add_parser("export", help="write a checkpoint for transformers (hf) or llama.cpp (gguf)",
                        description="write a checkpoint as a Hugging Face LlamaForCausalLM folder (hf) or a GGUF file "
                                    "for llama.cpp (gguf); export.py says how")

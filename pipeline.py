@@ -54,6 +54,13 @@ sys.excepthook = _one_line_hook
 # ----------------------------------------------------------------------------------------------------
 # config: the contract's models, one name each, accepted by every mode of both engines
 
+# The contract's fixed numbers (CONTRACT.md), used by both engines (the GPU's CUDA sources get them as
+# #defines) and export.py. Numba freezes them into nanoeuler.py's cached kernels: after changing one,
+# delete __pycache__. The MTP weighting is Config.mtp_weight below.
+RMS_EPS = 1e-5          # RMSNorm: y = x / sqrt(mean(x^2) + RMS_EPS) * w
+ROPE_THETA = 10000.0    # RoPE: the angle of pair i at position pos is pos * ROPE_THETA^(-2i/hd)
+
+
 @dataclass
 class Config:
     dim: int          # D, width of the residual stream
@@ -188,8 +195,8 @@ def model_flops_per_token(cfg, T):
 
 @functools.cache                                   # read-only tables, made once per shape and dtype
 def rope_tables(ctx, hd, dtype):
-    """RoPE, half-split: u'[i] = u[i] cos a - u[i+hd/2] sin a, with a = pos * 10000^(-2i/hd)."""
-    freqs = 10000.0 ** (-np.arange(0, hd // 2) * 2.0 / hd)         # f_i = theta^(-2i/hd)
+    """RoPE, half-split: u'[i] = u[i] cos a - u[i+hd/2] sin a, with a = pos * ROPE_THETA^(-2i/hd)."""
+    freqs = ROPE_THETA ** (-np.arange(0, hd // 2) * 2.0 / hd)      # f_i = theta^(-2i/hd)
     angles = np.arange(ctx)[:, None] * freqs[None, :]              # (ctx, hd/2)
     cos, sin = np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
     cos.flags.writeable = sin.flags.writeable = False                # shared by every caller
@@ -1032,14 +1039,18 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
           f"reward margin {seen[-1]['margin']:+.4f}; chat checkpoint {ckpt_path} ({time.time() - t0:.0f} s)")
 
 
-def add_dpo_flags(p, ckpt, out, steps, batch, lr):
+def add_dpo_flags(p, ckpt, out, **same):
+    # TEMP **same: nanoeuler_cuda.py still passes steps, batch and lr, the values of DPO_DEFAULTS
+    assert all(DPO_DEFAULTS[k] == v for k, v in same.items()), same
+    d = DPO_DEFAULTS
     add_finetune_flags(p, f"the SFT (chat) checkpoint or its run folder, also the frozen reference (default {ckpt})",
-                       ckpt, out, steps, (batch, "pairs per step"), lr, "held-out split and data order",
+                       ckpt, out, d["steps"], (d["batch"], "pairs per step"), d["lr"], "held-out split and data order",
                        data="JSONL, one {prompt, chosen, rejected[, input]} a line, as data/get_prefs.sh writes "
                             "(default: the built-in pairs, no download: each answer of the built-in SFT set against "
                             "itself fallen into a loop of its opening words; they teach not to loop, nothing of "
                             "helpfulness or safety)")
-    p.add_argument("--beta", type=float, default=0.1, help="strength of the pull to the reference (default 0.1)")
+    p.add_argument("--beta", type=float, default=d["beta"],
+                   help=f"strength of the pull to the reference (default {d['beta']})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1141,12 +1152,15 @@ class StopFlag:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def evaluate(batch_loss, tokens, B, T, n_batches, bytes_per_token):
+def validation_loss(batch_loss, tokens, B, T, n_batches, bytes_per_token):
     """Head-0 validation loss over fixed batches of the validation split, and bits per byte.
     batch_loss(x, y) -> head-0 CE of one batch, on whichever engine."""
     val = Batches(tokens, B, T, seed=1234, split="val")
     loss = float(np.mean([batch_loss(*val.next()) for _ in range(n_batches)]))
     return loss, loss / math.log(2) / bytes_per_token
+
+
+evaluate = validation_loss  # TEMP: removed once nanoeuler_cuda.py uses validation_loss
 
 
 def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None):
@@ -1249,6 +1263,19 @@ def print_sample(tok, generate_fn, prompt, n, seed=0):
 TRAIN_DEFAULTS = dict(config="small", steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100,
                       sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None, grad_accum=1)
 
+# Fine-tuning defaults. SFT: the steps both engines share, and per engine the batch, longest example and
+# rate (the GPU's larger batches and longer examples take a lower rate). DPO: the same on both engines.
+SFT_DEFAULTS = {"steps": 300, "cpu": dict(batch=8, seq=256, lr=1e-3), "gpu": dict(batch=16, seq=512, lr=1e-4)}
+DPO_DEFAULTS = dict(steps=75, batch=8, lr=1e-5, beta=0.1)
+
+# The default run folder of each stage, on both engines: sft reads train's checkpoint, dpo reads sft's.
+RUN_DIRS = {"train": "out", "sft": "out_chat", "dpo": "out_dpo"}
+
+
+def run_ckpt(stage):
+    """The default checkpoint of a stage's run: run_ckpt("train") is out/ckpt.npz."""
+    return f"{RUN_DIRS[stage]}/ckpt.npz"
+
 
 def check_positive(a, *names):
     for name in names:
@@ -1325,6 +1352,44 @@ class Parser(argparse.ArgumentParser):
                     message += f" (did you mean {near[0]}?)"
                     break
         raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def run_main(prog, doc, modes, letters, argv, error_of=None):
+    """The one mode dispatch of both engines: `prog MODE [flags]`. modes: {name: (one-line help, fn(argv))} in
+    the order listed; letters: {letter: name} (the letter "" names the mode run when none is given). -h, --help
+    or no mode prints the modes; a misspelt mode gets the nearest name. A UserError, or an exception that
+    error_of(e) turns into a message (not None), is one `error:` line and status 1; Ctrl-C is 130. A mode's int
+    is its status (a failed check, a failed rank); anything else it returns is success, 0."""
+    argv = [str(x) for x in argv]
+    if argv[:1] in (["-h"], ["--help"], ["help"]) or (not argv and "" not in letters):
+        names = {name: [k for k, v in letters.items() if v == name and k] for name in modes}
+        rows = [(name + "".join(f" | {k}" for k in names[name]), text) for name, (text, _) in modes.items()]
+        width = max(len(r) for r, _ in rows)
+        print(f"usage: {prog} MODE [flags]\n\n{doc.strip()}\n\nmodes (a word or its letter; {prog} MODE --help "
+              "lists its flags):\n" + "\n".join(f"  {r:{width}}  {text}" for r, text in rows))
+        return 0 if argv else 1
+    mode, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("", argv)
+    mode = letters.get(mode, mode)
+    try:
+        if not mode:
+            raise UserError(f"give a mode before {rest[0]}; the modes are {', '.join(modes)} (see {prog} --help)")
+        if mode not in modes:
+            near = difflib.get_close_matches(mode, list(modes) + [k for k in letters if k], 1)
+            hint = f" (did you mean {letters.get(near[0], near[0])}?)" if near else ""
+            raise UserError(f"invalid choice: mode {mode!r}{hint}; the modes are {', '.join(modes)} (see {prog} --help)")
+        status = modes[mode][1](rest)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        message = error_of(e) if error_of is not None else None
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 def add_config_arg(p, default):
@@ -1416,7 +1481,8 @@ def add_finetune_flags(p, ckpt_help, ckpt, out, steps, batch, lr, seed_help, dat
 
 
 def add_sft_flags(p, ckpt, out, batch, seq, lr):
-    add_finetune_flags(p, f"the base checkpoint or its run folder (default {ckpt})", ckpt, out, 300,
+    """batch, seq, lr: the engine's entry of SFT_DEFAULTS."""
+    add_finetune_flags(p, f"the base checkpoint or its run folder (default {ckpt})", ckpt, out, SFT_DEFAULTS["steps"],
                        (batch, "examples per step"), lr, "data order",
                        data="Alpaca JSON (default: the built-in instruction set, no download)")
     p.add_argument("--seq", type=int, default=seq, help=f"longest example in tokens (default {seq})")
