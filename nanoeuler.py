@@ -967,9 +967,18 @@ def serve_generate(P, a):
 
 
 # ----------------------------------------------------------------------------------------------------
-# modes
+# modes: each takes its command-line words and builds its own parser
 
-def cmd_train(a):
+PROG = "nanoeuler.py"
+
+
+def cmd_train(argv, mode="train"):
+    text = {"train": "pretrain (on the embedded default corpus unless --data)",
+            "resume": "continue the run in --out from its checkpoint (train --resume)"}[mode]
+    p = pl.Parser(prog=f"{PROG} {mode}", description=text)
+    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=pl.TRAIN_DEFAULTS, lr_note=" (small; 0.001 for the others)")
+    a = p.parse_args(argv)
+    a.resume = a.resume or mode == "resume"
     a.config = pl.config_arg(a)
     name = a.config or "small"
     defaults = dict(pl.TRAIN_DEFAULTS, config=name, **({"lr": 1e-3} if name != "small" else {}))
@@ -1008,41 +1017,65 @@ def cpu_logprobs(P):
     return fn
 
 
-def cmd_eval(a):
+def cmd_eval(argv):
+    p = pl.Parser(prog=f"{PROG} eval", description=evaluate.EVAL_HELP)
+    evaluate.add_eval_flags(p, pl.run_ckpt("train"))
+    a = p.parse_args(argv)
     evaluate.check_eval_args(a)
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     evaluate.run_eval(a, tok, P.cfg.ctx, cpu_logprobs(P))
 
 
-def cmd_plot(a):
+def cmd_plot(argv):
+    p = pl.Parser(prog=f"{PROG} plot", description=evaluate.PLOT_HELP)
+    evaluate.add_plot_flags(p)
+    a = p.parse_args(argv)
     print(f"wrote {evaluate.plot(a.runs, a.out)}")
 
 
-def cmd_sample(a):
+def cmd_sample(argv):
+    p = pl.Parser(prog=f"{PROG} sample", description="generate text from a checkpoint")
+    pl.add_prompt_arg(p)
+    p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
+    pl.add_sample_flags(p, ckpt=pl.run_ckpt("train"), temperature=0.8, speculative_help=SPECULATIVE_HELP)
+    a = p.parse_args(argv)
+    prompt = pl.prompt_arg(a)
     pl.check_sampling(a)
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     if a.samples > 1:
         sampling = pl.sampling_of(a)
         n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: generate_batch(P, ids, k, m, sampling, rng),
-                                     a.prompt, a, P.cfg.ctx)
+                                     prompt, a, P.cfg.ctx)
         print(pl.speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
         return
     stats = {}
-    n, dt = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), a.prompt, a, P.cfg.ctx)
+    n, dt = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), prompt, a, P.cfg.ctx)
     print(pl.speed_line(n, dt, speculative_of(P, a, pl.sampling_of(a)), stats), file=sys.stderr)
 
 
-def cmd_sft(a):
+def cmd_sft(argv):
+    p = pl.Parser(prog=f"{PROG} sft",
+                  description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
+    pl.add_sft_flags(p, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], **pl.SFT_DEFAULTS["cpu"])
+    a = p.parse_args(argv)
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     pl.run_sft(a, P, tok, lambda: Trainer(P), lambda x, y: forward_loss(P, x, y)[1][0])
 
 
-def cmd_dpo(a):
+def cmd_dpo(argv):
+    p = pl.Parser(prog=f"{PROG} dpo", description="direct preference optimisation (CONTRACT.md \"DPO\") of a chat "
+                  "checkpoint on pairs of a chosen and a rejected answer, against itself frozen; writes a chat checkpoint")
+    pl.add_dpo_flags(p, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"])
+    a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     pl.run_dpo(a, P, tok, extra, lambda: DPOTrainer(P, a.beta), lambda x, y: seq_logps(P, x, y))
 
 
-def cmd_chat(a):
+def cmd_chat(argv):
+    p = pl.Parser(prog=f"{PROG} chat", description="talk to a checkpoint: a chat checkpoint (sft) wraps each line "
+                  "in the SFT template, a base model continues your text; the conversation is kept within the context")
+    pl.add_sample_flags(p, ckpt=pl.run_ckpt("sft"), temperature=0.7, speculative_help=SPECULATIVE_HELP)
+    a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     pl.check_sampling(a)
     rng = np.random.default_rng(a.seed)
@@ -1050,24 +1083,53 @@ def cmd_chat(a):
     pl.chat_repl(tok, lambda ids, n: gen(ids, n, rng), extra.get("kind") == "chat", a.tokens, P.cfg.ctx)
 
 
-def cmd_serve(a):
+def cmd_serve(argv):
+    p = pl.Parser(prog=f"{PROG} serve", description=serve.DESCRIPTION)
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), speculative_help=SPECULATIVE_HELP)
+    a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     serve.run(a, tok, P.cfg, extra.get("kind") == "chat", serve_generate(P, a), "CPU")
 
 
-def cmd_export(a):
+def cmd_export(argv):
+    p = pl.Parser(prog=f"{PROG} export", description="write a checkpoint as a Hugging Face LlamaForCausalLM folder "
+                  "(hf) or a GGUF file for llama.cpp (gguf); export.py says how")
+    p.add_argument("--ckpt", default=pl.run_ckpt("train"),
+                   help=f"checkpoint file or run folder (default {pl.run_ckpt('train')})")
+    p.add_argument("--format", choices=("hf", "gguf"), default="hf", help="hf: a folder; gguf: one file (default hf)")
+    p.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="gguf matrices (default f32)")
+    p.add_argument("--out", required=True, help="folder (hf) or .gguf file to write (required, no default)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    a = p.parse_args(argv)
     import export                                    # its packages (safetensors, gguf) serve this mode alone
     export.cmd_export(a)
 
 
-def cmd_import(a):
+def cmd_import(argv):
+    p = pl.Parser(prog=f"{PROG} import", description="read a Hugging Face LlamaForCausalLM folder with a byte-level "
+                  "BPE tokenizer into a NanoEuler checkpoint")
+    p.add_argument("--hf", required=True, help="the Hugging Face folder (required, no default)")
+    p.add_argument("--out", required=True, help="checkpoint file (.npz) or run folder to write (required, no default)")
+    p.add_argument("--mtp", choices=("keep", "none", "init"), default="keep",
+                   help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
+                        "(two fresh ones) (default keep)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    a = p.parse_args(argv)
     import export
     export.cmd_import(a)
 
 
-def cmd_bench(a):
+def cmd_bench(argv):
     """Training steps on real batches of the embedded corpus (a repeated batch would be memorised, and
     its vanishing probabilities underflow into slow denormal floats); then sampling with the KV cache."""
+    p = pl.Parser(prog=f"{PROG} bench", description="training and sampling speed")
+    pl.add_config_arg(p, "small")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
+    p.add_argument("--ckpt", help="time generation with this checkpoint, so the MTP heads' drafts mean something "
+                                  "(default: the random weights of the timed config)")
+    a = p.parse_args(argv)
     name = pl.config_arg(a) or "small"
     cfg = pl.get_config(name)
     pl.check_positive(a, "batch", "seq", "steps")
@@ -1123,83 +1185,27 @@ def bench_sampling(P, tok, batches, n=200, streams=8):
 # ----------------------------------------------------------------------------------------------------
 # main
 
-def parser():
-    p = pl.Parser(prog="nanoeuler.py", description="NanoEuler: a GPT-class model trained from scratch on the CPU. "
-                  "The model and its files: CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.")
-    sub = p.add_subparsers(dest="mode", metavar="{train,resume,sample,chat,serve,sft,dpo,eval,plot,bench,export,import}", parser_class=pl.Parser)
-    for mode, text in (("train", "pretrain (on the embedded default corpus unless --data)"),
-                       ("resume", "continue the run in --out from its checkpoint (train --resume)")):
-        t = sub.add_parser(mode, help=text, description=text)
-        pl.add_train_flags(t, out="out", defaults=pl.TRAIN_DEFAULTS, lr_note=" (small; 0.001 for the others)")
-    s = sub.add_parser("sample", help="generate text from a checkpoint", description="generate text from a checkpoint")
-    s.add_argument("--prompt", default="\n", help="text to continue (default a newline)")
-    s.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
-    pl.add_sample_flags(s, ckpt="out/ckpt.npz", temperature=0.8, speculative_help=SPECULATIVE_HELP)
-    c = sub.add_parser("chat", help="talk to a checkpoint (a base model continues your text)",
-                       description="talk to a checkpoint: a chat checkpoint (sft) wraps each line in the SFT template, "
-                                   "a base model continues your text; the conversation is kept within the context")
-    pl.add_sample_flags(c, ckpt="out_chat/ckpt.npz", temperature=0.7, speculative_help=SPECULATIVE_HELP)
-    v = sub.add_parser("serve", help="an OpenAI-compatible API and a chat page in the browser (serve.py)",
-                       description=serve.DESCRIPTION)
-    serve.add_serve_flags(v, ckpt="out_chat/ckpt.npz", speculative_help=SPECULATIVE_HELP)
-    f = sub.add_parser("sft", help="fine-tune a base checkpoint on instructions (Alpaca template)",
-                       description="fine-tune a base checkpoint on instructions (Alpaca template of CONTRACT.md)")
-    pl.add_sft_flags(f, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], **pl.SFT_DEFAULTS["cpu"])
-    o = sub.add_parser("dpo", help="align a chat checkpoint with preference pairs (DPO)",
-                       description="direct preference optimisation (CONTRACT.md \"DPO\") of a chat checkpoint on pairs "
-                                   "of a chosen and a rejected answer, against itself frozen; writes a chat checkpoint")
-    pl.add_dpo_flags(o, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"])
-    x = sub.add_parser("export", help="write a checkpoint for transformers (hf) or llama.cpp (gguf)",
-                       description="write a checkpoint as a Hugging Face LlamaForCausalLM folder (hf) or a GGUF file "
-                                   "for llama.cpp (gguf); export.py says how")
-    x.add_argument("--ckpt", default="out/ckpt.npz", help="checkpoint file or run folder (default out/ckpt.npz)")
-    x.add_argument("--format", choices=("hf", "gguf"), default="hf", help="hf: a folder; gguf: one file (default hf)")
-    x.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="gguf matrices (default f32)")
-    x.add_argument("--out", required=True, help="folder (hf) or .gguf file to write (required, no default)")
-    x.add_argument("--force", action="store_true", help="overwrite --out")
-    m = sub.add_parser("import", help="a Hugging Face Llama folder -> a checkpoint (sample, chat, sft)",
-                       description="read a Hugging Face LlamaForCausalLM folder with a byte-level BPE tokenizer into "
-                                   "a NanoEuler checkpoint")
-    m.add_argument("--hf", required=True, help="the Hugging Face folder (required, no default)")
-    m.add_argument("--out", required=True, help="checkpoint file (.npz) or run folder to write (required, no default)")
-    m.add_argument("--mtp", choices=("keep", "none", "init"), default="keep",
-                   help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
-                        "(two fresh ones) (default keep)")
-    m.add_argument("--force", action="store_true", help="overwrite --out")
-    e = sub.add_parser("eval", help="score a checkpoint: HellaSwag (acc, acc_norm) or bits per byte of a text",
-                       description=evaluate.EVAL_HELP)
-    evaluate.add_eval_flags(e, "out/ckpt.npz")
-    g = sub.add_parser("plot", help="PNG of train/val loss against steps, tokens and wall time",
-                       description=evaluate.PLOT_HELP)
-    evaluate.add_plot_flags(g)
-    b = sub.add_parser("bench", help="training and sampling speed", description="training and sampling speed")
-    pl.add_config_arg(b, "small")
-    b.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    b.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
-    b.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
-    b.add_argument("--ckpt", help="time generation with this checkpoint, so the MTP heads' drafts mean something "
-                                  "(default: the random weights of the timed config)")
-    return p
+MODES = {   # name: (one line of the mode list, fn(argv)); each mode's --help gives its flags
+    "train": ("pretrain (on the embedded default corpus unless --data)", cmd_train),
+    "resume": ("continue the run in --out from its checkpoint (train --resume)", lambda argv: cmd_train(argv, "resume")),
+    "sample": ("generate text from a checkpoint", cmd_sample),
+    "chat": ("talk to a checkpoint (a base model continues your text)", cmd_chat),
+    "serve": ("an OpenAI-compatible API and a chat page in the browser (serve.py)", cmd_serve),
+    "sft": ("fine-tune a base checkpoint on instructions (Alpaca template)", cmd_sft),
+    "dpo": ("align a chat checkpoint with preference pairs (DPO)", cmd_dpo),
+    "eval": ("score a checkpoint: HellaSwag (acc, acc_norm) or bits per byte of a text", cmd_eval),
+    "plot": ("PNG of train/val loss against steps, tokens and wall time", cmd_plot),
+    "bench": ("training and sampling speed", cmd_bench),
+    "export": ("write a checkpoint for transformers (hf) or llama.cpp (gguf)", cmd_export),
+    "import": ("a Hugging Face Llama folder -> a checkpoint (sample, chat, sft)", cmd_import),
+}
+LETTERS = {"t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat", "d": "dpo"}   # as nanoeuler_cuda.py
 
 
 def main(argv=None):
-    p = parser()
-    try:
-        a = p.parse_args(argv)
-        if a.mode is None:
-            p.print_help()
-            return 1
-        if a.mode == "resume":
-            a.resume = True
-        n_threads()
-        {"train": cmd_train, "resume": cmd_train, "sample": cmd_sample, "chat": cmd_chat, "serve": cmd_serve, "sft": cmd_sft, "dpo": cmd_dpo,
-         "bench": cmd_bench, "eval": cmd_eval, "plot": cmd_plot, "export": cmd_export, "import": cmd_import}[a.mode](a)
-    except pl.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return pl.run_main(PROG, "NanoEuler: a GPT-class model trained from scratch on the CPU. The model and its files: "
+                       "CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.",
+                       MODES, LETTERS, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

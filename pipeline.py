@@ -1409,6 +1409,19 @@ def config_arg(a):
     return name
 
 
+def add_prompt_arg(p):
+    """sample's prompt, as a word or --prompt (both engines)."""
+    p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
+    p.add_argument("--prompt", dest="prompt_flag", metavar="TEXT", help="the same, as a flag")
+
+
+def prompt_arg(a):
+    """The prompt given by the word or the flag; a newline when neither."""
+    if a.prompt is not None and a.prompt_flag is not None and a.prompt != a.prompt_flag:
+        raise UserError(f"two prompts given: {a.prompt!r} and --prompt {a.prompt_flag!r}")
+    return next((t for t in (a.prompt, a.prompt_flag) if t is not None), "\n")
+
+
 def add_train_flags(p, out, defaults, lr_note=""):
     """The flags of a training run (both engines); those not given come from defaults or, when resuming,
     from the checkpoint's run."""
