@@ -21,9 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-import evaluate
 import pipeline as pl
-import serve
 from pipeline import RMS_EPS, Params, mtp_objective, mtp_scales, mtp_targets, rope_tables
 
 try:
@@ -967,7 +965,8 @@ def serve_generate(P, a):
 
 
 # ----------------------------------------------------------------------------------------------------
-# modes: each takes its command-line words and builds its own parser
+# modes: each takes its command-line words and builds its own parser; serve, export and evaluate are
+# imported by the modes that use them, so `import nanoeuler` loads the engine alone
 
 PROG = "nanoeuler.py"
 
@@ -998,6 +997,7 @@ def cmd_train(argv, mode="train"):
     loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")
     sample = pl.print_sample(tok, gen, "\n", 200, seed=args["seed"])
+    import evaluate
     print(f"report: {evaluate.write_report(a.out, args, P.cfg, loss, bpb, sample)}")
 
 
@@ -1018,6 +1018,7 @@ def cpu_logprobs(P):
 
 
 def cmd_eval(argv):
+    import evaluate
     p = pl.Parser(prog=f"{PROG} eval", description=evaluate.EVAL_HELP)
     evaluate.add_eval_flags(p, pl.run_ckpt("train"))
     a = p.parse_args(argv)
@@ -1027,6 +1028,7 @@ def cmd_eval(argv):
 
 
 def cmd_plot(argv):
+    import evaluate
     p = pl.Parser(prog=f"{PROG} plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
@@ -1084,6 +1086,7 @@ def cmd_chat(argv):
 
 
 def cmd_serve(argv):
+    import serve
     p = pl.Parser(prog=f"{PROG} serve", description=serve.DESCRIPTION)
     serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), speculative_help=SPECULATIVE_HELP)
     a = p.parse_args(argv)
