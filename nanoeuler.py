@@ -832,20 +832,78 @@ def generate(P, prompt_ids, max_new, temperature=0.8, top_k=40, rng=None, cached
 
 
 def _generate_speculative(P, prompt_ids, max_new, sampling, rng, stats):
-    """pipeline.speculative_decode over this engine's KV cache. Greedy, 3 drafts a step (what followed z
-    last time, then head 1's likeliest as guesses after z): with z, the 4 columns a decode step computes
+    """Speculative decoding over this engine's KV cache. Greedy: guess_decode, 3 drafts a step (what followed
+    z last time, then head 1's likeliest as guesses after z): with z, the 4 columns a decode step computes
     anyway, and heads 0 and 1 alone. On the default run's checkpoint a step makes 1.83 tokens (heads 1 and
-    2 drafting a chain: 1.42; head 1's 3 likeliest alone: 1.53); without a repetition penalty the forward
-    hands over ids, not logits."""
+    2 drafting a chain, pipeline.speculative_decode's greedy rule: 1.42; head 1's 3 likeliest alone: 1.53);
+    without a repetition penalty the forward hands over ids, not logits. Sampling: speculative_decode."""
     cache = KVCache(P.cfg, 1, P.flat.dtype)
-    g = DECODE_COLUMNS - 1 if sampling.temperature <= 0 else 1
-    ids_only = g > 1 and sampling.repetition_penalty == 1.0
+    if sampling.temperature > 0:
+        yield from pl.speculative_decode(lambda ids: forward_cached(P, ids, cache, None, P.cfg.n_mtp), cache.keep,
+                                         prompt_ids, max_new, sampling, rng, stats, P.cfg.n_mtp, P.cfg.ctx)
+        return
+    g = DECODE_COLUMNS - 1
 
-    def forward(ids, offsets=None):
-        z = forward_cached(P, ids, cache, offsets, P.cfg.n_mtp if g == 1 else 2)  # (rows, heads, V)
-        return _guess_ids(z, g) if ids_only else z
-    yield from pl.speculative_decode(forward, cache.keep, prompt_ids, max_new, sampling, rng, stats, P.cfg.n_mtp,
-                                     P.cfg.ctx, g)
+    def forward(ids, offsets):
+        z = forward_cached(P, ids, cache, offsets, 2)                             # (rows, heads 0 and 1, V)
+        return _guess_ids(z, g) if sampling.repetition_penalty == 1.0 else z
+    yield from guess_decode(forward, cache.keep, prompt_ids, max_new, sampling, stats, P.cfg.ctx, g)
+
+
+def guess_decode(forward, cut, prompt_ids, max_new, sampling, stats, ctx, guesses):
+    """Greedy speculative decoding with drafts of the context and of head 1 (pipeline.speculative_decode's
+    rounds, other drafts): a round drafts `guesses` rows after the decided, not yet cached token z: a chain
+    of what followed z where z last occurred (up to guesses - 1 ids), then head 1's likeliest ids as guesses
+    at the position after z, each a row that sees z alone. forward(ids, offsets) runs the rows at their
+    positions after z's, [0, 1, 2, 1] (a row sees the earlier rows of lower position), and returns the
+    logits of heads 0 and 1 at least, or ids (len, 1 + guesses): head 0's argmax, then head 1's likeliest,
+    largest first. Head 0 walks the chain while it agrees, or keeps the guess that is its argmax; cut(n)
+    keeps the cache's first n positions, cut(n, src) also makes position src the n-th (a kept guess).
+    Yields up to max_new ids (stops at the context); stats (a dict) gets 'drafted' and 'accepted'."""
+    def first(row, history):                    # head 0's id: an argmax the forward made, else by the rule
+        return int(row) if argmaxes else sampling.greedy(row, history)
+    ids = list(prompt_ids)
+    heads = forward(ids, None)[-1]                                         # heads 0 and 1 at the last position
+    argmaxes = np.ndim(heads[0]) == 0                                      # forward hands over ids
+    cached = len(ids)
+    z = first(heads[0], ids)
+    ids.append(z)
+    produced = 1
+    yield z
+    last, paired = {}, 0                        # each id's last position in ids[:paired]
+    while produced < max_new and len(ids) < ctx:
+        for i in range(paired, len(ids) - 1):
+            last[ids[i]] = i
+        paired = len(ids) - 1
+        room = min(guesses, ctx - len(ids))                                # z's forward must fit the context
+        chain = ids[last[z] + 1:last[z] + room] if z in last else []       # what followed z last time
+        likely = heads[1:].tolist() if argmaxes else sampling.likeliest(heads[1], ids, guesses)
+        alts = [d for d in likely if d not in chain[:1]][:room - len(chain)]
+        out = forward([z] + chain + alts, list(range(len(chain) + 1)) + [1] * len(alts))
+        row = n_ok = 0
+        while True:                                     # head 0 walks the chain or takes a guess after z
+            z = first(out[row, 0], ids)
+            ids.append(z)
+            produced += 1
+            yield z
+            if row < len(chain) and z == chain[row]:
+                nxt = row + 1
+            elif row == 0 and z in alts:
+                nxt = 1 + len(chain) + alts.index(z)
+            else:
+                break
+            row, n_ok = nxt, n_ok + 1
+            if produced >= max_new or len(ids) >= ctx:
+                break
+        if stats is not None:
+            stats["drafted"] = stats.get("drafted", 0) + len(chain or alts[:1])   # the positions drafted
+            stats["accepted"] = stats.get("accepted", 0) + n_ok
+        cached += 1 + n_ok                                                 # z and the kept drafts
+        if row == n_ok:
+            cut(cached)
+        else:                                                              # a guess was kept: its row goes after z
+            cut(cached, cached - 2 + row)
+        heads = out[row]                                                   # at the last cached position
 
 
 @njit(**KERNEL_OPTIONS)
@@ -987,7 +1045,7 @@ def cmd_train(argv, mode="train"):
     if state is not None:
         batches.set_state(state["data"])
     bpt = pl.bytes_per_token(tok, tokens)
-    val_fn = lambda: pl.evaluate(lambda x, y: forward_loss(P, x, y)[1][0], tokens, args["batch"], args["seq"], 8, bpt)
+    val_fn = lambda: pl.validation_loss(lambda x, y: forward_loss(P, x, y)[1][0], tokens, args["batch"], args["seq"], 8, bpt)
     gen = lambda ids, n, rng: generate(P, ids, n, 0.8, 40, rng)
     if state is None:
         print("step 0: validating (the first run compiles the Numba kernels, ~10 s; cached after)", flush=True)

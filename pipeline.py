@@ -537,7 +537,7 @@ def draw(p, rng):
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
-def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, n_mtp, ctx, guesses=1):
+def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, n_mtp, ctx):
     """Speculative sampling with the model's own MTP heads as the draft model, over an engine's KV cache:
     forward(ids) runs ids at the cache's next positions (the whole prompt first) and returns every head's
     logits at each, (len, n_mtp, V) (the prompt: at least its last row), or, greedy without a repetition
@@ -549,16 +549,9 @@ def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, 
     min(1, p(d_i) / q(d_i)), else replaced by a draw from max(0, p - q) normalised, which ends the round
     and becomes the next z (the cache is cut back to the kept tokens). When every draft is kept, head 0
     at the last position draws the next z. Greedy: p and q are one-hot, so a draft is kept exactly when
-    it is head 0's argmax.
-    guesses > 1, greedy: a round drafts instead `guesses` rows: a chain of what followed z where z last
-    occurred (up to guesses - 1 ids), then head 1's likeliest ids as guesses at the position after z, each
-    a row that sees z alone; forward(ids, offsets) gets the rows' positions after z's, [0, 1, 2, 1] (a row
-    sees the earlier rows of lower position), and returns the logits of heads 0 and 1 at least, or ids
-    (len, 1 + guesses): head 0's argmax, then head 1's likeliest, largest first. Head 0 walks the chain as
-    above, or keeps the guess that is its argmax (cut(n, src) then also makes position src the n-th).
+    it is head 0's argmax. (The CPU engine drafts greedy rounds its own way: nanoeuler.guess_decode.)
     stats (a dict) gets 'drafted' (positions) and 'accepted'."""
     greedy = sampling.temperature <= 0
-    wide = greedy and guesses > 1
 
     def first(row, history):                    # head 0's id: an argmax the forward made, else by the rule
         return int(row) if argmaxes else sampling.sample(row, history, rng)
@@ -570,72 +563,41 @@ def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, 
     ids.append(z)
     produced = 1
     yield z
-    last, paired = {}, 0                        # wide: each id's last position in ids[:paired]
     while produced < max_new and len(ids) < ctx:
-        if wide:
-            for i in range(paired, len(ids) - 1):
-                last[ids[i]] = i
-            paired = len(ids) - 1
-            room = min(guesses, ctx - len(ids))                            # z's forward must fit the context
-            chain = ids[last[z] + 1:last[z] + room] if z in last else []   # what followed z last time
-            likely = heads[1:].tolist() if argmaxes else sampling.likeliest(heads[1], ids, guesses)
-            alts = [d for d in likely if d not in chain[:1]][:room - len(chain)]
-            out = forward([z] + chain + alts, list(range(len(chain) + 1)) + [1] * len(alts))
-            row = n_ok = 0
-            while True:                                 # head 0 walks the chain or takes a guess after z
-                z = first(out[row, 0], ids)
-                ids.append(z)
-                produced += 1
-                yield z
-                if row < len(chain) and z == chain[row]:
-                    nxt = row + 1
-                elif row == 0 and z in alts:
-                    nxt = 1 + len(chain) + alts.index(z)
-                else:
-                    break
-                row, n_ok = nxt, n_ok + 1
-                if produced >= max_new or len(ids) >= ctx:
-                    break
-            drafts = chain or alts[:1]                                     # the positions drafted
-        else:
-            m = min(n_mtp - 1, max_new - produced, ctx - len(ids))         # z's forward must fit the context
-            drafts, qs = [], []
-            for k in range(1, m + 1):
-                if greedy:
-                    drafts.append(first(heads[k], ids + drafts))
-                else:
-                    qs.append(sampling.probs(heads[k], ids + drafts))
-                    drafts.append(draw(qs[-1], rng))
-            out = forward([z] + drafts)                                    # (1 + m, n_mtp, ...)
-            n_ok = 0
-            for i, d in enumerate(drafts):
-                if greedy:
-                    z = first(out[n_ok, 0], ids)
-                    kept = d == z
-                else:
-                    p, q = sampling.probs(out[n_ok, 0], ids), qs[i]
-                    kept = rng.random() < p[d] / q[d]
-                    z = d
-                    if not kept:
-                        residual = np.maximum(p - q, 0.0)
-                        z = draw(residual if residual.sum() > 0 else p, rng)
-                n_ok += kept
-                ids.append(z)
-                produced += 1
-                yield z
-                if not kept or produced >= max_new:
-                    break
-            row = n_ok
+        m = min(n_mtp - 1, max_new - produced, ctx - len(ids))             # z's forward must fit the context
+        drafts, qs = [], []
+        for k in range(1, m + 1):
+            if greedy:
+                drafts.append(first(heads[k], ids + drafts))
+            else:
+                qs.append(sampling.probs(heads[k], ids + drafts))
+                drafts.append(draw(qs[-1], rng))
+        out = forward([z] + drafts)                                        # (1 + m, n_mtp, ...)
+        n_ok = 0
+        for i, d in enumerate(drafts):
+            if greedy:
+                z = first(out[n_ok, 0], ids)
+                kept = d == z
+            else:
+                p, q = sampling.probs(out[n_ok, 0], ids), qs[i]
+                kept = rng.random() < p[d] / q[d]
+                z = d
+                if not kept:
+                    residual = np.maximum(p - q, 0.0)
+                    z = draw(residual if residual.sum() > 0 else p, rng)
+            n_ok += kept
+            ids.append(z)
+            produced += 1
+            yield z
+            if not kept or produced >= max_new:
+                break
         if stats is not None:
             stats["drafted"] = stats.get("drafted", 0) + len(drafts)
             stats["accepted"] = stats.get("accepted", 0) + n_ok
         cached += 1 + n_ok                                                 # z and the kept drafts
-        if row == n_ok:
-            cut(cached)
-        else:                                                              # a guess was kept: its row goes after z
-            cut(cached, cached - 2 + row)
-        heads = out[row]                                                   # at the last cached position
-        if not wide and n_ok == len(drafts) and produced < max_new and len(ids) < ctx:   # all kept: head 0 goes on
+        cut(cached)
+        heads = out[n_ok]                                                  # at the last cached position
+        if n_ok == len(drafts) and produced < max_new and len(ids) < ctx:  # all kept: head 0 goes on
             z = first(heads[0], ids)
             ids.append(z)
             produced += 1
