@@ -30,11 +30,19 @@ Modes (a word, or the seed's letter):
     python nanoeuler_cuda.py bench [CONFIG]      speed per precision: tokens/s, ms/step, MFU, memory; attention
 Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
-Sections: GPU runtime | kernels (each next to its launcher: embedding, RMSNorm, RoPE, SwiGLU,
-cross-entropy, attention (fp32 flash, bf16 tensor-core flash, naive), inference attention, optimiser) |
-NVRTC compile check |
-model | optimiser | training | sampling | SFT and chat | DPO and evaluation | self-test | gradient check |
-bench | main.
+Sections (each begins with a bar and the same number and name):
+    1. GPU runtime: CuPy, launches, cuBLAS and cublasLt, CUDA graphs, the kernel registry
+    2. training kernels: embedding, RMSNorm, RoPE, SwiGLU, cross-entropy, attention (fp32 flash,
+       bf16 tensor-core flash, naive), each beside its launcher
+    3. model: DeviceParams, Model (forward, backward)
+    4. optimiser: AdamW with its kernels
+    5. training: Trainer, train and resume
+    6. generation: the decode kernels by concern (cache attention, products, sampling, speculation)
+       beside the Sampler that launches them
+    7. fine-tuning and evaluation: SFT, chat, serve, DPO, eval, plot
+    8. verification: the NVRTC compile check, the self-test, the gradient check
+    9. bench: training, attention and generation speed
+    10. command line: the modes and main
 Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
 S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers. A bf16 array is a
 uint16 CuPy array holding the bits (CuPy has no bfloat16 dtype; the kernels see 2-byte elements).
@@ -55,7 +63,8 @@ from pipeline import UserError
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------------------------------
-# GPU runtime: CuPy is imported lazily, so that the compile check and the error messages work without it
+# 1. GPU runtime: CuPy (imported lazily, so that the compile check and the error messages work without
+# it), launches, cuBLAS and cublasLt, CUDA graphs, and the kernel registry that compiles the sources
 
 cp = None          # the cupy module, once gpu() has run
 cublas = None      # cupy_backends.cuda.libs.cublas
@@ -464,8 +473,29 @@ def bf16_float(b):
     return (np.asarray(b).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+# --- module registry: kernel name -> compiled RawKernel, compiled on first use (CuPy caches the binaries)
+
+NVRTC_OPTIONS = ("-std=c++17",)
+_modules, _kernels = {}, {}
+
+
+def kernel_names(src):
+    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)', src)
+
+
+def _k(name):
+    k = _kernels.get(name)
+    if k is None:
+        mod = next((m for m, src in SOURCES.items() if name in kernel_names(src)), None)
+        assert mod is not None, f"no kernel {name}"
+        if mod not in _modules:
+            _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod], options=NVRTC_OPTIONS)
+        k = _kernels[name] = _modules[mod].get_function(name)
+    return k
+
+
 # ----------------------------------------------------------------------------------------------------
-# kernels: CUDA sources, each next to its launcher. COMMON is prepended to every module.
+# 2. training kernels: CUDA sources, each next to its launcher. COMMON is prepended to every module.
 
 COMMON = r"""
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -2069,6 +2099,751 @@ def naive_bwd(qkv, dout, P, dqkv, ws, B, T, Hq, Hkv, hd):
     _heads_copy(dqkv, ws["dv"], T, Hkv, hd, Cq + Ck, back=True)
 
 
+# ----------------------------------------------------------------------------------------------------
+# 3. model: the forward and backward passes of CONTRACT.md over preallocated device buffers for one (B, T)
+
+def _param_offsets(cfg):
+    """name -> (start, end, shape) in the flat buffer: nanoeuler.param_shapes' order, no padding."""
+    off, out = 0, {}
+    for name, shape in pl.param_shapes(cfg):
+        n = int(np.prod(shape))
+        out[name] = (off, off + n, shape)
+        off += n
+    return out
+
+
+class DeviceParams:
+    """A flat float32 (or bf16) device buffer with the layout of nanoeuler.Params.flat and named views of it."""
+
+    def __init__(self, cfg, flat=None, dtype=np.float32):
+        self.cfg = cfg
+        self.offsets = _param_offsets(cfg)
+        self.flat = cp.zeros(pl.num_params(cfg), dtype) if flat is None else flat
+        self.views = {n: self.flat[a:b].reshape(s) for n, (a, b, s) in self.offsets.items()}
+        self._rows = {}
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    def rows(self, first, last):
+        """Consecutive matrices as one (rows, in) matrix: wq|wk|wv, w1|w3, heads.0..n (a view, made once)."""
+        v = self._rows.get((first, last))
+        if v is None:
+            a, b = self.offsets[first][0], self.offsets[last][1]
+            v = self._rows[(first, last)] = self.flat[a:b].reshape(-1, self.offsets[first][2][1])
+        return v
+
+    def upload(self, P):
+        assert P.flat.shape == self.flat.shape
+        self.flat.set(np.ascontiguousarray(P.flat, np.float32))
+
+    def download(self):
+        return pl.Params(self.cfg, np.float32, cp.asnumpy(self.flat))
+
+
+PRECISIONS = ("bf16", "tf32", "fp32")
+LOGIT_CHUNK = (1024, 4096)   # rows of the bf16 path's logits per chunk: N/8 within these bounds; for big,
+                             # (1024, n_mtp*V) fp32 + bf16 is 96 MiB (B=16), 4096 rows 384 MiB (B=64)
+
+
+def check_precision(precision, cfg, attn, explicit=True):
+    """The precision a run uses: bf16 needs the tensor-core flash kernel (flash attention, head dims 32, 64,
+    128, F even). Asked for explicitly, anything else is an error; as the default it falls back to tf32."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    why = None
+    if precision == "bf16":
+        if attn != "flash":
+            why = "the bf16 path runs flash attention only (--attn naive needs --precision tf32 or fp32)"
+        elif cfg.head_dim not in BF16_HEAD_DIMS or cfg.ffn % 2:
+            why = (f"bf16 flash attention supports head dims {', '.join(map(str, BF16_HEAD_DIMS))}, this config "
+                   f"has {cfg.head_dim}; use --precision tf32 or fp32")
+    if why and explicit:
+        raise UserError(why)
+    if why:
+        print(f"precision: tf32, not the default bf16 ({why})", flush=True)
+        return "tf32"
+    return precision
+
+
+class Model:
+    """Device buffers for batches of (B, T) and the passes over them. attn: 'flash' or 'naive';
+    precision: 'fp32' / 'tf32' (fp32 buffers; TF32 is cuBLAS's math mode, set_tf32) or 'bf16' (mixed:
+    self.P fp32 master weights and self.Pb their bf16 copy, bf16 activations, fp32 residual stream)."""
+
+    def __init__(self, cfg, B, T, attn="flash", train=True, params=None, precision="fp32"):
+        gpu()
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
+            raise UserError(f"config {cfg}: dim must split into heads, and query heads into kv groups")
+        check_width(cfg)
+        if T > cfg.ctx:
+            raise UserError(f"--seq {T} is longer than the context of {cfg.ctx}")
+        self.bf = check_precision(precision, cfg, attn) == "bf16"
+        if attn == "flash" and not self.bf and cfg.head_dim not in (32, 64):
+            raise UserError(f"fp32 flash attention supports head dims 32 and 64, this config has {cfg.head_dim} "
+                            "(use --attn naive, or --precision bf16)")
+        self.cfg, self.B, self.T, self.attn, self.train, self.precision = cfg, B, T, attn, train, precision
+        self.P = params if params is not None else DeviceParams(cfg)
+        self.G = DeviceParams(cfg) if train else None
+        self.Pb = DeviceParams(cfg, dtype=BF) if self.bf else None
+        self.on_grads = None        # several GPUs: distributed.ZeRO's hook, see _grads_done
+        self._inputs()
+        (self._alloc_bf16 if self.bf else self._alloc_fp32)()
+
+    def load(self, P):
+        """Host Params -> the device weights (and their bf16 copy)."""
+        self.P.upload(P)
+        self.weights_changed()
+
+    def weights_changed(self):
+        """Call after writing self.P other than through AdamW: refreshes the bf16 copy."""
+        if self.Pb is not None:
+            to_bf16(self.P.flat, self.Pb.flat)
+
+    def _inputs(self):
+        cfg, N, V, K = self.cfg, self.B * self.T, self.cfg.vocab, self.cfg.n_mtp
+        self.N = N
+        hd = cfg.head_dim
+        self.S = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+        cos, sin = pl.rope_tables(cfg.ctx, hd, np.float64)
+        self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
+        # inputs, uploaded in one copy per step: idx | targets | order | starts | (scales, 1/counts) as bits
+        self.inp = cp.zeros(3 * N + V + 1 + 2 * K, np.int32)
+        # two pinned host staging buffers, so the upload is an asynchronous copy in stream order and the
+        # host never waits for the GPU between steps; an event guards the reuse of each buffer
+        self._stage = [_pinned(self.inp.size) for _ in range(2)]
+        self._stage_ev, self._stage_i = [None, None], 0
+        self.idx, self.tgt = self.inp[:N], self.inp[N:2 * N]
+        self.order, self.starts = self.inp[2 * N:3 * N], self.inp[3 * N:3 * N + V + 1]
+        w = self.inp[3 * N + V + 1:].view(np.float32)
+        self.scales, self.inv_count = w[:K], w[K:]
+
+    def _alloc_bf16(self):
+        """Saved per layer: the fp32 residual stream entering it (xs) and after its attention step (xm), their
+        rstd, the bf16 normed inputs h1, h2, q|k|v (rotated), the attention output, [g | u] and silu(g) * u
+        (recomputing it in the backward pass cost more time, 0.5 ms a step at B=64, than its N x F bf16 a layer
+        cost memory); lse. Not saved: the logits, made and consumed chunk by chunk."""
+        cfg, B, T, N = self.cfg, self.B, self.T, self.N
+        D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
+        Hq, Cq = cfg.n_heads, cfg.n_heads * cfg.head_dim
+        f32 = lambda *s: cp.empty(s, np.float32)
+        b16 = lambda *s: cp.empty(s, BF)
+        self.xs = [f32(N, D) for _ in range(L + 1)]
+        self.xm = [f32(N, D) for _ in range(L)]
+        self.h1, self.h2 = [b16(N, D) for _ in range(L)], [b16(N, D) for _ in range(L)]
+        self.r1, self.r2 = [f32(N) for _ in range(L)], [f32(N) for _ in range(L)]
+        self.qkv = [b16(N, self.S) for _ in range(L)]
+        self.att = [b16(N, Cq) for _ in range(L)]
+        self.lse = [f32(B, Hq, T) for _ in range(L)]
+        self.gu = [b16(N, 2 * F) for _ in range(L)]       # [g | u]; the backward writes [dg | du] over it
+        self.act = [b16(N, F) for _ in range(L)] if self.train else [b16(N, F)] * L    # silu(g) * u
+        self.hf, self.rf = b16(N, D), f32(N)
+        self.chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
+        self.lchunk, self.dlchunk = b16(self.chunk, K * V), b16(self.chunk, K * V)   # logits, their gradient
+        self.rowloss, self.ce = f32(K, N), cp.zeros(K, np.float32)
+        self.tmp = b16(N, D)                              # a @ wo.T, act @ w2.T before the fused residual add
+        if self.train:
+            self.dx, self.dxb = f32(N, D), b16(N, D)      # the residual's gradient, fp32 and its bf16 copy
+            self.dh = b16(N, D)                             # a branch's gradient into its RMSNorm (GEMM output)
+            self.da, self.dqkv, self.dact = b16(N, Cq), b16(N, self.S), b16(N, F)
+            self.fws = flash_bf16_scratch(B, T, Hq)          # the attention backward's D and dS
+            self.part = f32(rms_part_rows(N), D)
+        # the chunks' views, made once (each CuPy view costs host time in every step)
+        self.chunks = [(n0, self.lchunk[:min(self.chunk, N - n0)], self.dlchunk[:min(self.chunk, N - n0)],
+                        self.hf[n0:n0 + self.chunk], self.dh[n0:n0 + self.chunk] if self.train else None)
+                       for n0 in range(0, N, self.chunk)]
+
+    def _alloc_fp32(self):
+        cfg, B, T, N, S, attn = self.cfg, self.B, self.T, self.N, self.S, self.attn
+        D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
+        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        Cq = Hq * hd
+        e = lambda *s: cp.empty(s, np.float32)
+        # activations saved for the backward pass
+        self.xs = [e(N, D) for _ in range(L + 1)]     # residual stream entering each layer; xs[L] final
+        self.xm = [e(N, D) for _ in range(L)]         # after the attention step
+        self.h1, self.h2 = [e(N, D) for _ in range(L)], [e(N, D) for _ in range(L)]
+        self.r1, self.r2 = [e(N) for _ in range(L)], [e(N) for _ in range(L)]
+        self.qkv = [e(N, S) for _ in range(L)]        # q and k rotated
+        self.att = [e(N, Cq) for _ in range(L)]
+        self.lse = [e(B, Hq, T) for _ in range(L)] if attn == "flash" else None
+        self.probs = [e(B, Hq, T, T) for _ in range(L)] if attn == "naive" else None
+        self.gu = [e(N, 2 * F) for _ in range(L)]     # [g | u]; the backward writes [dg | du] over it
+        self.act = [e(N, F) for _ in range(L)]
+        self.hf, self.rf = e(N, D), e(N)
+        self.logits = e(N, K * V)                     # all heads from one GEMM; dlogits in place
+        self.rowloss, self.ce = e(K, N), cp.zeros(K, np.float32)
+        self.tmp = e(N, D)                            # a @ wo.T, act @ w2.T before the fused residual add
+        self.nws = naive_scratch(B, T, Hq, Hkv, hd) if attn == "naive" else None
+        if self.train:
+            self.dx, self.dh, self.da = e(N, D), e(N, D), e(N, Cq)
+            self.dqkv, self.dact = e(N, S), e(N, F)
+            self.Dv = e(B, Hq, T)
+            self.dqp = e((T + 63) // 64, N, Cq) if attn == "flash" else None
+            self.part = e(rms_part_rows(N), D)
+
+    # --- inputs ---
+    def set_batch(self, x, y=None, want_grad=False):
+        """x, y (B, T) int32 host arrays; one host-to-device copy."""
+        cfg, N, V, K = self.cfg, self.N, self.cfg.vocab, self.cfg.n_mtp
+        assert x.shape == (self.B, self.T), (x.shape, self.B, self.T)
+        if x.min() < 0 or x.max() >= V:
+            raise UserError(f"token ids must lie in 0..{V - 1}")
+        i = self._stage_i
+        self._stage_i ^= 1
+        if self._stage_ev[i] is not None:
+            self._stage_ev[i].synchronize()          # its previous copy has left the buffer
+        buf = self._stage[i]
+        buf[:] = 0
+        buf[:N] = x.reshape(-1)
+        if y is not None:
+            buf[N:2 * N] = y.reshape(-1)
+            sc, inv = loss_weights(y, K, cfg.mtp_weight)
+            buf[3 * N + V + 1:] = np.concatenate([sc, inv]).view(np.int32)
+        if want_grad:
+            order, starts = sort_tokens(x, V)
+            buf[2 * N:3 * N], buf[3 * N:3 * N + V + 1] = order, starts
+        self.inp.set(buf, stream=cp.cuda.get_current_stream())
+        ev = cp.cuda.Event()
+        ev.record()
+        self._stage_ev[i] = ev
+
+    # --- forward ---
+    def forward(self, want_loss=True, want_grad=False):
+        """Runs the model on the uploaded batch; with want_loss, self.ce holds the per-head CE on the
+        device and (with want_grad) self.logits the gradient of the objective with respect to them (the
+        bf16 path instead does the heads' backward here, chunk by chunk: G's heads and self.dh)."""
+        if self.bf:
+            return self._forward_bf16(want_loss, want_grad)
+        cfg, P, B, T = self.cfg, self.P, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        embed_fwd(P["tok_emb"], self.idx, self.xs[0])
+        rmsnorm_fwd(self.xs[0], P["layers.0.attn_norm"], self.h1[0], self.r1[0])
+        for l in range(L):
+            p = f"layers.{l}."
+            mm(self.qkv[l], self.h1[l], P.rows(p + "wq", p + "wv"), tb=True)           # (N, S)
+            rope(self.qkv[l], self.cos, self.sin, T, Hq + Hkv, hd)
+            if self.attn == "flash":
+                flash_fwd(self.qkv[l], self.att[l], self.lse[l], B, T, Hq, Hkv, hd)
+            else:
+                naive_fwd(self.qkv[l], self.att[l], self.probs[l], self.nws, B, T, Hq, Hkv, hd)
+            mm(self.tmp, self.att[l], P[p + "wo"], tb=True)
+            rmsnorm_fwd(self.xs[l], P[p + "ffn_norm"], self.h2[l], self.r2[l], add=self.tmp, xout=self.xm[l])
+            mm(self.gu[l], self.h2[l], P.rows(p + "w1", p + "w3"), tb=True)            # (N, 2F)
+            swiglu_fwd(self.gu[l], self.act[l])
+            mm(self.tmp, self.act[l], P[p + "w2"], tb=True)
+            last = l == L - 1
+            rmsnorm_fwd(self.xm[l], P["norm" if last else f"layers.{l + 1}.attn_norm"],
+                        self.hf if last else self.h1[l + 1], self.rf if last else self.r1[l + 1],
+                        add=self.tmp, xout=self.xs[l + 1])
+        if not want_loss:
+            return
+        mm(self.logits, self.hf, P.rows("heads.0", f"heads.{cfg.n_mtp - 1}"), tb=True)  # (N, K*V)
+        xent(self.logits, self.tgt, self.scales, self.rowloss, T, cfg.n_mtp, want_grad)
+        loss_reduce(self.rowloss, self.inv_count, self.ce)
+
+    # --- backward: gradients into self.G (every tensor is written, none accumulated across steps) ---
+    def backward(self):
+        if self.bf:
+            return self._backward_bf16()
+        cfg, P, G, B, T = self.cfg, self.P, self.G, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        heads = ("heads.0", f"heads.{cfg.n_mtp - 1}")
+        mm(G.rows(*heads), self.logits, self.hf, ta=True)                   # dHeads = dlogits^T hf
+        mm(self.dh, self.logits, P.rows(*heads))                            # dhf = dlogits Heads
+        rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False)
+        self._grads_done("norm")
+        for l in reversed(range(L)):
+            p = f"layers.{l}."
+            # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
+            mm(G[p + "w2"], self.dx, self.act[l], ta=True)
+            mm(self.dact, self.dx, P[p + "w2"])
+            swiglu_bwd(self.dact, self.gu[l])                               # gu[l] now holds [dg | du]
+            mm(G.rows(p + "w1", p + "w3"), self.gu[l], self.h2[l], ta=True)
+            mm(self.dh, self.gu[l], P.rows(p + "w1", p + "w3"))
+            rmsnorm_bwd(self.dh, self.xm[l], P[p + "ffn_norm"], self.r2[l], self.dx, G[p + "ffn_norm"], self.part)
+            # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
+            mm(G[p + "wo"], self.dx, self.att[l], ta=True)
+            mm(self.da, self.dx, P[p + "wo"])
+            if self.attn == "flash":
+                flash_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.Dv, self.dqp,
+                          B, T, Hq, Hkv, hd)
+            else:
+                naive_bwd(self.qkv[l], self.da, self.probs[l], self.dqkv, self.nws, B, T, Hq, Hkv, hd)
+            rope(self.dqkv, self.cos, self.sin, T, Hq + Hkv, hd, sign=-1.0)
+            mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
+            mm(self.dh, self.dqkv, P.rows(p + "wq", p + "wv"))
+            rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part)
+            self._grads_done(p + "attn_norm")
+        embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
+        self._grads_done("tok_emb")
+
+    def _grads_done(self, name):
+        """Every gradient from tensor `name` to the end of the flat layout is final: on several GPUs the hook
+        (distributed.ZeRO.reduce) starts reducing them while the backward goes on."""
+        if self.on_grads is not None:
+            self.on_grads(self.G.offsets[name][0])
+
+    # --- the bf16 path: bf16 GEMM inputs (Pb, activations), fp32 accumulation, fp32 residual stream ---
+    def _forward_bf16(self, want_loss, want_grad):
+        cfg, P, Pb, B, T = self.cfg, self.P, self.Pb, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        embed_fwd(P["tok_emb"], self.idx, self.xs[0])                       # fp32 rows of the master weights
+        rmsnorm_fwd(self.xs[0], P["layers.0.attn_norm"], self.h1[0], self.r1[0])
+        for l in range(L):
+            p = f"layers.{l}."
+            mm(self.qkv[l], self.h1[l], Pb.rows(p + "wq", p + "wv"), tb=True)          # (N, S) bf16
+            rope(self.qkv[l], self.cos, self.sin, T, Hq + Hkv, hd)
+            flash_bf16_fwd(self.qkv[l], self.att[l], self.lse[l], B, T, Hq, Hkv, hd)
+            mm(self.tmp, self.att[l], Pb[p + "wo"], tb=True)                          # bf16 branch
+            rmsnorm_fwd(self.xs[l], P[p + "ffn_norm"], self.h2[l], self.r2[l], add=self.tmp, xout=self.xm[l])
+            mm(self.gu[l], self.h2[l], Pb.rows(p + "w1", p + "w3"), tb=True)           # (N, 2F) bf16
+            swiglu_fwd(self.gu[l], self.act[l])
+            mm(self.tmp, self.act[l], Pb[p + "w2"], tb=True)
+            last = l == L - 1
+            rmsnorm_fwd(self.xm[l], P["norm" if last else f"layers.{l + 1}.attn_norm"],
+                        self.hf if last else self.h1[l + 1], self.rf if last else self.r1[l + 1],
+                        add=self.tmp, xout=self.xs[l + 1])
+        if want_loss:
+            self._loss_head_bf16(want_grad)
+
+    def _loss_head_bf16(self, want_grad):
+        """Logits + MTP cross-entropy, fused and chunked over rows: per chunk one GEMM makes the logits of all
+        heads (bf16, as autocast has them; 0.5 ms less a B=64 step than fp32), xent_chunk the loss from fp32
+        statistics (max, sum of exp, log-sum-exp) and the bf16 gradient, and (want_grad) two GEMMs take the
+        chunk's share of dHeads (accumulated over the chunks in order: deterministic) and its rows of dhf.
+        Only a (chunk, n_mtp*V) block of logits ever exists."""
+        T, K = self.T, self.cfg.n_mtp
+        heads = ("heads.0", f"heads.{K - 1}")
+        Wb = self.Pb.rows(*heads)                                            # (K*V, D) bf16
+        for n0, lg, dl, hf, dh in self.chunks:
+            mm(lg, hf, Wb, tb=True)
+            xent_chunk(lg, dl, self.tgt, self.scales, self.rowloss, n0, T, K, want_grad)
+            if want_grad:
+                mm(self.G.rows(*heads), dl, hf, ta=True, beta=1.0 if n0 else 0.0)   # dHeads (+)= dl^T hf
+                mm(dh, dl, Wb)                                                     # dhf rows (bf16)
+        loss_reduce(self.rowloss, self.inv_count, self.ce)
+
+    def _backward_bf16(self):
+        """After _forward_bf16(want_grad=True), which left dhf in self.dh and the heads' gradient in G."""
+        cfg, P, Pb, G, B, T = self.cfg, self.P, self.Pb, self.G, self.B, self.T
+        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False,
+                    dxb=self.dxb)
+        self._grads_done("norm")
+        for l in reversed(range(L)):
+            p = f"layers.{l}."
+            # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
+            mm(self.dact, self.dxb, Pb[p + "w2"])
+            swiglu_bwd(self.dact, self.gu[l])                               # gu[l] <- [dg | du]
+            mm(G[p + "w2"], self.dxb, self.act[l], ta=True)
+            mm(G.rows(p + "w1", p + "w3"), self.gu[l], self.h2[l], ta=True)
+            mm(self.dh, self.gu[l], Pb.rows(p + "w1", p + "w3"))
+            rmsnorm_bwd(self.dh, self.xm[l], P[p + "ffn_norm"], self.r2[l], self.dx, G[p + "ffn_norm"], self.part,
+                        dxb=self.dxb)
+            # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
+            mm(G[p + "wo"], self.dxb, self.att[l], ta=True)
+            mm(self.da, self.dxb, Pb[p + "wo"])
+            flash_bf16_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.fws, self.cos, self.sin,
+                           B, T, Hq, Hkv, hd)                                  # dq, dk rotated back
+            mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
+            mm(self.dh, self.dqkv, Pb.rows(p + "wq", p + "wv"))
+            rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part,
+                        dxb=self.dxb if l else None)
+            self._grads_done(p + "attn_norm")
+        embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
+        self._grads_done("tok_emb")
+
+    def losses(self):
+        """(objective, per-head CE) from the device (a sync)."""
+        ces = [float(c) for c in cp.asnumpy(self.ce)]
+        return pl.mtp_objective(ces, self.cfg.mtp_weight), ces
+
+    def batch_loss(self, x, y):
+        """Head-0 CE of one batch, forward only (validation)."""
+        self.set_batch(x, y)
+        self.forward(want_loss=True, want_grad=False)
+        return self.losses()[1][0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device, and its kernels
+
+# --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
+#     launch over the flat buffer. Weight decay on matrices and the embedding only: the norm weights sit
+#     at fixed offsets of each layer's block (attn_norm at 0, ffn_norm at ffn_off) and after the layers ---
+
+OPTIM_SRC = r"""
+extern "C" __global__ void sumsq_partial(const float* __restrict__ g, i64 n, double* __restrict__ part) {
+    __shared__ double sh[32];
+    double acc = 0.0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        acc += (double)g[i] * g[i];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh[w] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
+        part[blockIdx.x] = s;
+    }
+}
+extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, float* __restrict__ norm) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < np; i++) s += part[i];
+        norm[0] = (float)sqrt(s);
+    }
+}
+// AdamW over the flat buffer in one pass; with WB (the bf16 path) it also writes the bf16 copy of each
+// updated weight that the GEMMs read, so the copy never needs a pass of its own
+template <bool WB>
+__device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+        float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm, i64 n,
+        const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
+        float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off, int D) {
+    const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // global norm clipping
+    const float lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];      // the step's, on the device: a graph replays
+    i64 layers_end = layers_start + layer_size * n_layers;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float decay = 1.f;
+        if (i >= layers_start && i < layers_end) {
+            unsigned o = (unsigned)(i - layers_start) % (unsigned)layer_size;   // 32-bit: cheap
+            if (o < D || (o >= ffn_off && o < ffn_off + D)) decay = 0.f;
+        } else if (i >= layers_end && i < layers_end + D) decay = 0.f;
+        float gi = g[i] * gscale;
+        float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float pi = p[i];
+        pi -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * decay * pi);
+        p[i] = pi;
+        if (WB) pb[i] = f2bf(pi);
+    }
+}
+extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                 float* __restrict__ v, const float* __restrict__ norm, i64 n,
+                                 const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
+                                 float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off,
+                                 int D) {
+    adamw_body<false>(p, g, m, v, nullptr, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
+                      layer_size, n_layers, ffn_off, D);
+}
+extern "C" __global__ void adamw_bf16(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                                      float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm,
+                                      i64 n, const float* __restrict__ hyper, float beta1, float beta2, float eps,
+                                      float wd, float clip, i64 layers_start, i64 layer_size, int n_layers,
+                                      i64 ffn_off, int D) {
+    adamw_body<true>(p, g, m, v, pb, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
+                     layer_size, n_layers, ffn_off, D);
+}
+// the bf16 copy of fp32 weights (after an upload; AdamW keeps it current after that)
+extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict__ y, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = f2bf(x[i]);
+}
+"""
+
+
+def to_bf16(x, y):
+    """y (bf16) = x (fp32), same number of elements."""
+    assert x.size == y.size and y.dtype == BF
+    _k("to_bf16")((min(132 * 8, max(1, (x.size + 255) // 256)),), (256,), (x, y, np.int64(x.size)))
+
+
+class AdamW:
+    def __init__(self, P, G, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0, Pb=None, shard=None):
+        """P, G: DeviceParams of the weights and their gradients (updated in place); Pb: the bf16 copy of P
+        (the bf16 path), rewritten by the same kernel pass. shard: ZeRO-1 on several GPUs (distributed.ZeRO), the
+        size of this rank's shard of the moments, which it updates piece by piece with update()."""
+        cfg = P.cfg
+        self.P, self.G, self.beta1, self.beta2, self.eps, self.wd, self.clip = P, G, beta1, beta2, eps, weight_decay, clip
+        self.Pb = Pb
+        self.m, self.v = ((DeviceParams(cfg), DeviceParams(cfg)) if shard is None else
+                          (cp.zeros(shard, np.float32), cp.zeros(shard, np.float32)))
+        self.step_count = 0
+        self.nblk = 1024
+        self.part = cp.zeros(self.nblk, np.float64)
+        self.norm = cp.zeros(1, np.float32)
+        self.hyper = cp.zeros(3, np.float32)          # the step's lr, 1 - beta1^t, 1 - beta2^t (next_step)
+        off = P.offsets
+        self.layers_start = off["layers.0.attn_norm"][0]
+        self.layer_size = off["layers.1.attn_norm"][0] - self.layers_start if cfg.n_layers > 1 else \
+            off["norm"][0] - self.layers_start
+        self.ffn_off = off["layers.0.ffn_norm"][0] - self.layers_start
+        # the kernel finds the norm weights by offset arithmetic: check it covers exactly the 1-D tensors
+        for name, (a, b, shape) in off.items():
+            want = 0.0 if len(shape) == 1 else 1.0
+            for i in {a, b - 1}:
+                if self._decay_at(i, cfg.dim, cfg.n_layers) != want:
+                    raise AssertionError(f"weight-decay layout wrong at {name}")
+
+    def _decay_at(self, i, D, L):
+        end = self.layers_start + self.layer_size * L
+        if self.layers_start <= i < end:
+            o = (i - self.layers_start) % self.layer_size
+            return 0.0 if o < D or self.ffn_off <= o < self.ffn_off + D else 1.0
+        return 0.0 if end <= i < end + D else 1.0
+
+    def grad_norm(self, g, reduce=None):
+        """self.norm = the L2 norm of g: float64 partial sums, then their sum in a fixed order. reduce(part), on
+        several GPUs, first adds each partial sum over the ranks (g is then one rank's shard)."""
+        n = g.size
+        _k("sumsq_partial")((self.nblk,), (256,), (g, np.int64(n), self.part))
+        if reduce is not None:
+            reduce(self.part)
+        _k("sumsq_final")((1,), (32,), (self.part, I32(self.nblk), self.norm))
+
+    def step(self, lr):
+        """Clips the global gradient norm to self.clip and updates the parameters (all on the device)."""
+        self.next_step(lr)
+        self.apply()
+
+    def next_step(self, lr):
+        """Counts a step; its lr and bias corrections to the device, where the update kernel reads them, so
+        that a captured step replays with each step's values. A copy on the current stream."""
+        self.step_count += 1
+        t = self.step_count
+        self.hyper.set(np.array([lr, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t], np.float32))
+
+    def apply(self):
+        """The gradient norm and the update with the hyper-parameters on the device: capturable."""
+        self.grad_norm(self.G.flat)
+        self.update(self.P.flat, self.G.flat, self.m.flat, self.v.flat, None if self.Pb is None else self.Pb.flat)
+
+    def update(self, p, g, m, v, pb, first=0):
+        """One fused AdamW pass, clipped by self.norm, over a range of the flat layout that starts at element
+        `first` (p, g, m, v and the bf16 copy pb or None: that range of each); the decay mask moves with it."""
+        cfg = self.P.cfg
+        head = (p, g, m, v) + ((pb,) if pb is not None else ())
+        _k("adamw_bf16" if pb is not None else "adamw")(
+            (132 * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
+                                        F32(self.eps), F32(self.wd), F32(self.clip),
+                                        np.int64(self.layers_start - first), np.int64(self.layer_size),
+                                        I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. training: nanoeuler's train_loop, run set-up and SFT, with this engine's trainer; checkpoints in
+# nanoeuler's format, so either engine resumes the other's run
+
+TRAIN_DEFAULTS = dict(pl.TRAIN_DEFAULTS, config="big", steps=5000, batch=16, seq=512, lr=6e-4, warmup=200,
+                      eval_every=500, sample_every=0, ckpt_every=5000, log_every=50, attn="flash", precision="bf16")
+PRECISION_HELP = ("bf16: mixed precision (fp32 master weights and Adam moments, bf16 activations and matrix inputs, "
+                  "tensor-core flash attention); tf32: fp32 storage, TF32 matrix products; fp32: the reference")
+
+
+def add_precision_flag(p, default_note="bf16"):
+    p.add_argument("--precision", choices=PRECISIONS, help=f"{PRECISION_HELP} (default {default_note})")
+
+
+def add_model_flags(p):
+    """--attn and --precision of the modes that run a loaded checkpoint (sft, dpo, eval)."""
+    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
+    add_precision_flag(p)
+
+
+def precision_of(a, cfg):
+    """add_model_flags' precision: as asked (an error where cfg cannot run it), else bf16 where it can."""
+    return check_precision(a.precision or "bf16", cfg, a.attn, explicit=a.precision is not None)
+DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
+
+
+def default_data():
+    """The data pipeline's output if it exists, else None (nanoeuler's embedded default corpus)."""
+    return next((p for p in (os.path.join(HERE, d) for d in DEFAULT_DATA) if os.path.isfile(p)), None)
+
+
+class Trainer:
+    """nanoeuler.train_loop's engine interface on the GPU. step() only queues work on the device: each
+    step's per-head CE and gradient norm are copied into a row of a device history, and results() reads
+    the rows since its last call in one transfer, the loop's only host sync (once per log interval).
+    accum: micro-batches per step (x holds accum x B rows), their gradients and losses averaged; one GPU adds
+    them up in opt.G, its own buffer. dp: a distributed.ZeRO (several GPUs), which reduces the gradients as
+    the backward makes them and runs the sharded update."""
+    sync_every_step = False
+
+    def __init__(self, model, opt, accum=1, dp=None):
+        self.model, self.opt, self.accum, self.dp, self.n = model, opt, accum, dp, 0
+        self.rank, self.world = (dp.rank, dp.world) if dp is not None else (0, 1)
+        self.hist = cp.zeros((64, model.cfg.n_mtp + 1), np.float32)
+        # bf16 on one GPU without accumulation: the step's ~440 launches (forward, backward, AdamW) are captured
+        # as a CUDA graph on a stream of their own at the second step, then replayed: one launch a step (B=16:
+        # 498K -> 509K tokens/s on an H200; B=64, where the GPU is never short of queued work, +0.3%)
+        self.graph, self.eager = None, 0
+        self.stream = cp.cuda.Stream() if model.bf and accum == 1 and dp is None else None
+
+    def step(self, x, y, lr):
+        m, K, A, B = self.model, self.model.cfg.n_mtp, self.accum, self.model.B
+        if self.n == len(self.hist):
+            self.hist = cp.concatenate([self.hist, cp.zeros_like(self.hist)])
+        if self.stream is not None:
+            return self._graph_step(x, y, lr)
+        loss = self.hist[self.n, :K]
+        for i in range(A):
+            if i and self.dp is not None:
+                self.dp.wait_reduced()                 # the last micro-step's reductions have read m.G
+            m.set_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B], want_grad=True)
+            m.forward(want_loss=True, want_grad=True)
+            m.backward()
+            if i == 0:
+                loss[...] = m.ce
+            else:
+                loss += m.ce
+            if A > 1 and self.dp is None:              # one GPU: g1 + g2 + .. in opt.G
+                if i == 0:
+                    self.opt.G.flat[...] = m.G.flat
+                else:
+                    self.opt.G.flat += m.G.flat
+        if A > 1:
+            loss *= 1.0 / A
+            if self.dp is None:
+                self.opt.G.flat *= 1.0 / A
+        if self.dp is not None:
+            self.dp.step(self.opt, lr, loss)
+        else:
+            self.opt.step(lr)
+        self.hist[self.n, K:] = self.opt.norm
+        self.n += 1
+
+    def _graph_step(self, x, y, lr):
+        """step() as a graph replay: the batch and the lr go to fixed device buffers first, the losses and the
+        norm are copied into the history after."""
+        m, opt, K = self.model, self.opt, self.model.cfg.n_mtp
+
+        def body():
+            m.forward(want_loss=True, want_grad=True)
+            m.backward()
+            opt.apply()
+        with on_stream(self.stream):
+            m.set_batch(x, y, want_grad=True)
+            opt.next_step(lr)
+            if self.graph is None and self.eager:          # warm: kernels compiled, shared memory raised
+                self.graph = capture(self.stream, body, "the training step")
+                if self.graph is None:
+                    self.stream = None
+            if self.graph is not None:
+                self.graph.launch(self.stream)
+            else:
+                body()
+                self.eager += 1
+            self.hist[self.n, :K] = m.ce
+            self.hist[self.n, K:] = opt.norm
+        self.n += 1
+
+    def any_rank(self, flag):
+        """Several GPUs: True on every rank if flag is True on any (a collective)."""
+        return self.dp.any(flag)
+
+    def results(self):
+        rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
+        K, w = self.model.cfg.n_mtp, self.model.cfg.mtp_weight
+        return [(pl.mtp_objective([float(c) for c in r[:K]], w), [float(c) for c in r[:K]], float(r[K]))
+                for r in rows]
+
+    def host_state(self):
+        """(weights, m, v) as host Params; several GPUs: a collective, None on ranks other than 0."""
+        if self.dp is not None:
+            return self.dp.host_state(self.model, self.opt)
+        return self.model.P.download(), self.opt.m.download(), self.opt.v.download()
+
+
+def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None):
+    """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer,
+    with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks."""
+    import distributed
+    dp = None if group is None else distributed.ZeRO(sys.modules[__name__], group, P.cfg, accum)
+    model = Model(P.cfg, B, T, attn=attn, precision=precision, params=dp and dp.params())
+    model.load(P)
+    if dp is not None:
+        dp.attach(model)
+    G = model.G if accum == 1 or dp is not None else DeviceParams(P.cfg)   # one GPU adds micro-batches up in G
+    opt = AdamW(model.P, G, Pb=model.Pb, shard=dp and dp.S)
+    if state is not None:
+        if dp is not None:
+            dp.load_moments(opt, state["adam_m"], state["adam_v"])
+        else:
+            opt.m.upload(state["adam_m"])
+            opt.v.upload(state["adam_v"])
+        opt.step_count = state["step"]
+    set_tf32(precision == "tf32")
+    return Trainer(model, opt, accum, dp)
+
+
+PRECISION_WORDS = {"bf16": "bf16 mixed precision (fp32 master weights), bf16 tensor-core flash attention",
+                   "tf32": "fp32 storage, TF32 matmuls", "fp32": "fp32, TF32 off"}
+
+
+def cmd_train(argv, resume):
+    p = pl.Parser(prog="nanoeuler_cuda.py " + ("resume" if resume else "train"),
+                  description="resume the run in --out" if resume else "pretrain (default: big on data/pretrain.bin, "
+                  "data/web.txt or data/gutenberg.txt, the first that exists, else the embedded corpus)")
+    defaults = dict(TRAIN_DEFAULTS, data=default_data())
+    pl.add_train_flags(p, out="out/gpu", defaults=defaults)
+    p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
+    add_precision_flag(p, "bf16; a resumed run keeps its own")
+    import distributed
+    distributed.add_gpus_flag(p)
+    a = p.parse_args(argv)
+    a.config, resume = pl.config_arg(a), resume or a.resume
+    if distributed.launching(a.gpus):               # --gpus N: N ranks of this same command, one per GPU
+        return distributed.launch(a.gpus, [sys.executable, os.path.abspath(__file__),
+                                           "resume" if resume else "train", *argv])
+    group = distributed.join(a.gpus)               # one rank of a run (its environment): picks its GPU
+    if group is None:
+        return train(a, defaults, resume)
+    group.run(lambda: train(a, defaults, resume, group))   # ends the process
+
+
+def train(a, defaults, resume, group=None):
+    """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
+    gpu()
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    import distributed
+    with distributed.rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
+        P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
+    B, T, A = args["batch"], args["seq"], args["grad_accum"]
+    if state is not None and "precision" not in state["train"] and a.precision is None:
+        args["precision"] = "tf32"                  # a run from before --precision trained in TF32: keep it
+    # the precision is part of the run's arguments (saved in the checkpoint's train_state, kept on resume);
+    # only the default may fall back to tf32 where bf16 cannot run
+    args["precision"] = check_precision(args["precision"], P.cfg, args["attn"],
+                                        explicit=a.precision is not None or state is not None)
+    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group)
+    line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
+            f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    if world * A > 1:
+        line += (f"; global batch {world * A * B} sequences: {world} GPU(s) x {A} micro-batch(es) x {B}"
+                 + (", ZeRO-1" if world > 1 else ""))
+    print(line)
+    batches = pl.Batches(tokens, A * B, T, seed=args["seed"], rank=rank, world=world)
+    if state is not None:
+        batches.set_state(state["data"])
+    if rank:                                        # the other ranks train, and that is all
+        pl.train_loop(trainer, tok, batches, args, a.out, None, extra, start=state["step"] if state else 0)
+        return
+    bpt = pl.bytes_per_token(tok, tokens)
+    val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
+    sampler = Sampler(trainer.model.P)
+    gen = lambda ids, n, rng: sampler.generate(ids, n, pl.Sampling(0.8, 40), rng)
+    if state is None:
+        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
+    pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
+                  sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
+    sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
+    report = evaluate.write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
+                                   peak_tflops=PEAK_TFLOPS * world)
+    print(f"report: {report}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
+# graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
+# the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream; greedy
+# rounds are decided on the device too, so the host only reads the ids every few rounds)
+
 # --- generation on the device. The KV cache of each layer is (streams, Hkv, ctx, hd) fp32. A decode step
 #     runs `rows` new tokens of every stream (row n = stream * rows + t) at positions pos + t, where pos is
 #     state[0] on the device: the host never passes a position by value, so one captured CUDA graph serves
@@ -2775,833 +3550,6 @@ def spec_round(am, K, state, tokens, spec, ctx, start=0, max_new=0):
     launch(_k("spec_round"), (1,), (1,), (am, I32(K), state, tokens, spec, I32(ctx), I32(start), I32(max_new)))
 
 
-# --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
-#     launch over the flat buffer. Weight decay on matrices and the embedding only: the norm weights sit
-#     at fixed offsets of each layer's block (attn_norm at 0, ffn_norm at ffn_off) and after the layers ---
-
-OPTIM_SRC = r"""
-extern "C" __global__ void sumsq_partial(const float* __restrict__ g, i64 n, double* __restrict__ part) {
-    __shared__ double sh[32];
-    double acc = 0.0;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        acc += (double)g[i] * g[i];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (lane == 0) sh[w] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
-        part[blockIdx.x] = s;
-    }
-}
-extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, float* __restrict__ norm) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-        double s = 0.0;
-        for (int i = 0; i < np; i++) s += part[i];
-        norm[0] = (float)sqrt(s);
-    }
-}
-// AdamW over the flat buffer in one pass; with WB (the bf16 path) it also writes the bf16 copy of each
-// updated weight that the GEMMs read, so the copy never needs a pass of its own
-template <bool WB>
-__device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-        float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm, i64 n,
-        const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
-        float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off, int D) {
-    const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // global norm clipping
-    const float lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];      // the step's, on the device: a graph replays
-    i64 layers_end = layers_start + layer_size * n_layers;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float decay = 1.f;
-        if (i >= layers_start && i < layers_end) {
-            unsigned o = (unsigned)(i - layers_start) % (unsigned)layer_size;   // 32-bit: cheap
-            if (o < D || (o >= ffn_off && o < ffn_off + D)) decay = 0.f;
-        } else if (i >= layers_end && i < layers_end + D) decay = 0.f;
-        float gi = g[i] * gscale;
-        float mi = beta1 * m[i] + (1.f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float pi = p[i];
-        pi -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * decay * pi);
-        p[i] = pi;
-        if (WB) pb[i] = f2bf(pi);
-    }
-}
-extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                 float* __restrict__ v, const float* __restrict__ norm, i64 n,
-                                 const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
-                                 float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off,
-                                 int D) {
-    adamw_body<false>(p, g, m, v, nullptr, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                      layer_size, n_layers, ffn_off, D);
-}
-extern "C" __global__ void adamw_bf16(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                                      float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm,
-                                      i64 n, const float* __restrict__ hyper, float beta1, float beta2, float eps,
-                                      float wd, float clip, i64 layers_start, i64 layer_size, int n_layers,
-                                      i64 ffn_off, int D) {
-    adamw_body<true>(p, g, m, v, pb, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                     layer_size, n_layers, ffn_off, D);
-}
-// the bf16 copy of fp32 weights (after an upload; AdamW keeps it current after that)
-extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict__ y, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        y[i] = f2bf(x[i]);
-}
-"""
-
-
-def to_bf16(x, y):
-    """y (bf16) = x (fp32), same number of elements."""
-    assert x.size == y.size and y.dtype == BF
-    _k("to_bf16")((min(132 * 8, max(1, (x.size + 255) // 256)),), (256,), (x, y, np.int64(x.size)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# module registry: kernel name -> compiled RawKernel, compiled on first use (CuPy caches the binaries)
-
-SOURCES = {"embed": EMBED_SRC, "rmsnorm": RMSNORM_SRC, "rope": ROPE_SRC, "swiglu": SWIGLU_SRC, "xent": XENT_SRC,
-           "flash": FLASH_SRC, "flash_bf16": FLASH_BF16_SRC, "naive": NAIVE_SRC, "infer": INFER_SRC,
-           "optim": OPTIM_SRC}
-NVRTC_OPTIONS = ("-std=c++17",)
-_modules, _kernels = {}, {}
-
-
-def kernel_names(src):
-    return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)', src)
-
-
-def _k(name):
-    k = _kernels.get(name)
-    if k is None:
-        mod = next((m for m, src in SOURCES.items() if name in kernel_names(src)), None)
-        assert mod is not None, f"no kernel {name}"
-        if mod not in _modules:
-            _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod], options=NVRTC_OPTIONS)
-        k = _kernels[name] = _modules[mod].get_function(name)
-    return k
-
-
-# ----------------------------------------------------------------------------------------------------
-# NVRTC compile check: every source compiled to PTX (or, with arch sm_90, to machine code with the
-# register and spill report) through libnvrtc loaded by ctypes, so it runs without a GPU or CuPy
-# (CI installs the nvidia-cuda-nvrtc-cu12 wheel).
-
-def _find_nvrtc():
-    import ctypes
-    import ctypes.util
-    import glob
-    cands = []
-    for mod in ("nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia"):
-        try:
-            m = __import__(mod, fromlist=["_"])
-            for p in getattr(m, "__path__", []):
-                cands += sorted(glob.glob(os.path.join(p, "lib", "libnvrtc.so*")), reverse=True)
-                cands += sorted(glob.glob(os.path.join(p, "*", "lib", "libnvrtc.so*")), reverse=True)
-        except Exception:
-            pass
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root:
-            cands += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")), reverse=True)
-    cands += [ctypes.util.find_library("nvrtc"), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
-    for c in cands:
-        if c and "builtins" not in c:
-            try:
-                return ctypes.CDLL(c), c
-            except OSError:
-                continue
-    return None, None
-
-
-def compile_check(arch="compute_90", verbose=False):
-    """-> (library path, [(module, ok, log)]) or (None, []) when no libnvrtc is found."""
-    import ctypes
-    lib, path = _find_nvrtc()
-    if lib is None:
-        return None, []
-    results = []
-    for name, src in SOURCES.items():
-        prog = ctypes.c_void_p()
-        code = (COMMON + src).encode()
-        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, f"{name}.cu".encode(), 0, None, None)
-        if rc:
-            results.append((name, False, f"nvrtcCreateProgram error {rc}"))
-            continue
-        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS] + (["--ptxas-options=-v"] if verbose else [])
-        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value + 1)
-        lib.nvrtcGetProgramLog(prog, buf)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        results.append((name, rc == 0, buf.value.decode(errors="replace").strip()))
-    return path, results
-
-
-# ----------------------------------------------------------------------------------------------------
-# model: the forward and backward passes of CONTRACT.md over preallocated device buffers for one (B, T)
-
-def _param_offsets(cfg):
-    """name -> (start, end, shape) in the flat buffer: nanoeuler.param_shapes' order, no padding."""
-    off, out = 0, {}
-    for name, shape in pl.param_shapes(cfg):
-        n = int(np.prod(shape))
-        out[name] = (off, off + n, shape)
-        off += n
-    return out
-
-
-class DeviceParams:
-    """A flat float32 (or bf16) device buffer with the layout of nanoeuler.Params.flat and named views of it."""
-
-    def __init__(self, cfg, flat=None, dtype=np.float32):
-        self.cfg = cfg
-        self.offsets = _param_offsets(cfg)
-        self.flat = cp.zeros(pl.num_params(cfg), dtype) if flat is None else flat
-        self.views = {n: self.flat[a:b].reshape(s) for n, (a, b, s) in self.offsets.items()}
-        self._rows = {}
-
-    def __getitem__(self, name):
-        return self.views[name]
-
-    def rows(self, first, last):
-        """Consecutive matrices as one (rows, in) matrix: wq|wk|wv, w1|w3, heads.0..n (a view, made once)."""
-        v = self._rows.get((first, last))
-        if v is None:
-            a, b = self.offsets[first][0], self.offsets[last][1]
-            v = self._rows[(first, last)] = self.flat[a:b].reshape(-1, self.offsets[first][2][1])
-        return v
-
-    def upload(self, P):
-        assert P.flat.shape == self.flat.shape
-        self.flat.set(np.ascontiguousarray(P.flat, np.float32))
-
-    def download(self):
-        return pl.Params(self.cfg, np.float32, cp.asnumpy(self.flat))
-
-
-PRECISIONS = ("bf16", "tf32", "fp32")
-LOGIT_CHUNK = (1024, 4096)   # rows of the bf16 path's logits per chunk: N/8 within these bounds; for big,
-                             # (1024, n_mtp*V) fp32 + bf16 is 96 MiB (B=16), 4096 rows 384 MiB (B=64)
-
-
-def check_precision(precision, cfg, attn, explicit=True):
-    """The precision a run uses: bf16 needs the tensor-core flash kernel (flash attention, head dims 32, 64,
-    128, F even). Asked for explicitly, anything else is an error; as the default it falls back to tf32."""
-    if precision not in PRECISIONS:
-        raise UserError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    why = None
-    if precision == "bf16":
-        if attn != "flash":
-            why = "the bf16 path runs flash attention only (--attn naive needs --precision tf32 or fp32)"
-        elif cfg.head_dim not in BF16_HEAD_DIMS or cfg.ffn % 2:
-            why = (f"bf16 flash attention supports head dims {', '.join(map(str, BF16_HEAD_DIMS))}, this config "
-                   f"has {cfg.head_dim}; use --precision tf32 or fp32")
-    if why and explicit:
-        raise UserError(why)
-    if why:
-        print(f"precision: tf32, not the default bf16 ({why})", flush=True)
-        return "tf32"
-    return precision
-
-
-class Model:
-    """Device buffers for batches of (B, T) and the passes over them. attn: 'flash' or 'naive';
-    precision: 'fp32' / 'tf32' (fp32 buffers; TF32 is cuBLAS's math mode, set_tf32) or 'bf16' (mixed:
-    self.P fp32 master weights and self.Pb their bf16 copy, bf16 activations, fp32 residual stream)."""
-
-    def __init__(self, cfg, B, T, attn="flash", train=True, params=None, precision="fp32"):
-        gpu()
-        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 2:
-            raise UserError(f"config {cfg}: dim must split into heads, and query heads into kv groups")
-        check_width(cfg)
-        if T > cfg.ctx:
-            raise UserError(f"--seq {T} is longer than the context of {cfg.ctx}")
-        self.bf = check_precision(precision, cfg, attn) == "bf16"
-        if attn == "flash" and not self.bf and cfg.head_dim not in (32, 64):
-            raise UserError(f"fp32 flash attention supports head dims 32 and 64, this config has {cfg.head_dim} "
-                            "(use --attn naive, or --precision bf16)")
-        self.cfg, self.B, self.T, self.attn, self.train, self.precision = cfg, B, T, attn, train, precision
-        self.P = params if params is not None else DeviceParams(cfg)
-        self.G = DeviceParams(cfg) if train else None
-        self.Pb = DeviceParams(cfg, dtype=BF) if self.bf else None
-        self.on_grads = None        # several GPUs: distributed.ZeRO's hook, see _grads_done
-        self._inputs()
-        (self._alloc_bf16 if self.bf else self._alloc_fp32)()
-
-    def load(self, P):
-        """Host Params -> the device weights (and their bf16 copy)."""
-        self.P.upload(P)
-        self.weights_changed()
-
-    def weights_changed(self):
-        """Call after writing self.P other than through AdamW: refreshes the bf16 copy."""
-        if self.Pb is not None:
-            to_bf16(self.P.flat, self.Pb.flat)
-
-    def _inputs(self):
-        cfg, N, V, K = self.cfg, self.B * self.T, self.cfg.vocab, self.cfg.n_mtp
-        self.N = N
-        hd = cfg.head_dim
-        self.S = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
-        cos, sin = pl.rope_tables(cfg.ctx, hd, np.float64)
-        self.cos, self.sin = cp.asarray(cos.astype(np.float32)), cp.asarray(sin.astype(np.float32))
-        # inputs, uploaded in one copy per step: idx | targets | order | starts | (scales, 1/counts) as bits
-        self.inp = cp.zeros(3 * N + V + 1 + 2 * K, np.int32)
-        # two pinned host staging buffers, so the upload is an asynchronous copy in stream order and the
-        # host never waits for the GPU between steps; an event guards the reuse of each buffer
-        self._stage = [_pinned(self.inp.size) for _ in range(2)]
-        self._stage_ev, self._stage_i = [None, None], 0
-        self.idx, self.tgt = self.inp[:N], self.inp[N:2 * N]
-        self.order, self.starts = self.inp[2 * N:3 * N], self.inp[3 * N:3 * N + V + 1]
-        w = self.inp[3 * N + V + 1:].view(np.float32)
-        self.scales, self.inv_count = w[:K], w[K:]
-
-    def _alloc_bf16(self):
-        """Saved per layer: the fp32 residual stream entering it (xs) and after its attention step (xm), their
-        rstd, the bf16 normed inputs h1, h2, q|k|v (rotated), the attention output, [g | u] and silu(g) * u
-        (recomputing it in the backward pass cost more time, 0.5 ms a step at B=64, than its N x F bf16 a layer
-        cost memory); lse. Not saved: the logits, made and consumed chunk by chunk."""
-        cfg, B, T, N = self.cfg, self.B, self.T, self.N
-        D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
-        Hq, Cq = cfg.n_heads, cfg.n_heads * cfg.head_dim
-        f32 = lambda *s: cp.empty(s, np.float32)
-        b16 = lambda *s: cp.empty(s, BF)
-        self.xs = [f32(N, D) for _ in range(L + 1)]
-        self.xm = [f32(N, D) for _ in range(L)]
-        self.h1, self.h2 = [b16(N, D) for _ in range(L)], [b16(N, D) for _ in range(L)]
-        self.r1, self.r2 = [f32(N) for _ in range(L)], [f32(N) for _ in range(L)]
-        self.qkv = [b16(N, self.S) for _ in range(L)]
-        self.att = [b16(N, Cq) for _ in range(L)]
-        self.lse = [f32(B, Hq, T) for _ in range(L)]
-        self.gu = [b16(N, 2 * F) for _ in range(L)]       # [g | u]; the backward writes [dg | du] over it
-        self.act = [b16(N, F) for _ in range(L)] if self.train else [b16(N, F)] * L    # silu(g) * u
-        self.hf, self.rf = b16(N, D), f32(N)
-        self.chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
-        self.lchunk, self.dlchunk = b16(self.chunk, K * V), b16(self.chunk, K * V)   # logits, their gradient
-        self.rowloss, self.ce = f32(K, N), cp.zeros(K, np.float32)
-        self.tmp = b16(N, D)                              # a @ wo.T, act @ w2.T before the fused residual add
-        if self.train:
-            self.dx, self.dxb = f32(N, D), b16(N, D)      # the residual's gradient, fp32 and its bf16 copy
-            self.dh = b16(N, D)                             # a branch's gradient into its RMSNorm (GEMM output)
-            self.da, self.dqkv, self.dact = b16(N, Cq), b16(N, self.S), b16(N, F)
-            self.fws = flash_bf16_scratch(B, T, Hq)          # the attention backward's D and dS
-            self.part = f32(rms_part_rows(N), D)
-        # the chunks' views, made once (each CuPy view costs host time in every step)
-        self.chunks = [(n0, self.lchunk[:min(self.chunk, N - n0)], self.dlchunk[:min(self.chunk, N - n0)],
-                        self.hf[n0:n0 + self.chunk], self.dh[n0:n0 + self.chunk] if self.train else None)
-                       for n0 in range(0, N, self.chunk)]
-
-    def _alloc_fp32(self):
-        cfg, B, T, N, S, attn = self.cfg, self.B, self.T, self.N, self.S, self.attn
-        D, F, V, L, K = cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
-        hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        Cq = Hq * hd
-        e = lambda *s: cp.empty(s, np.float32)
-        # activations saved for the backward pass
-        self.xs = [e(N, D) for _ in range(L + 1)]     # residual stream entering each layer; xs[L] final
-        self.xm = [e(N, D) for _ in range(L)]         # after the attention step
-        self.h1, self.h2 = [e(N, D) for _ in range(L)], [e(N, D) for _ in range(L)]
-        self.r1, self.r2 = [e(N) for _ in range(L)], [e(N) for _ in range(L)]
-        self.qkv = [e(N, S) for _ in range(L)]        # q and k rotated
-        self.att = [e(N, Cq) for _ in range(L)]
-        self.lse = [e(B, Hq, T) for _ in range(L)] if attn == "flash" else None
-        self.probs = [e(B, Hq, T, T) for _ in range(L)] if attn == "naive" else None
-        self.gu = [e(N, 2 * F) for _ in range(L)]     # [g | u]; the backward writes [dg | du] over it
-        self.act = [e(N, F) for _ in range(L)]
-        self.hf, self.rf = e(N, D), e(N)
-        self.logits = e(N, K * V)                     # all heads from one GEMM; dlogits in place
-        self.rowloss, self.ce = e(K, N), cp.zeros(K, np.float32)
-        self.tmp = e(N, D)                            # a @ wo.T, act @ w2.T before the fused residual add
-        self.nws = naive_scratch(B, T, Hq, Hkv, hd) if attn == "naive" else None
-        if self.train:
-            self.dx, self.dh, self.da = e(N, D), e(N, D), e(N, Cq)
-            self.dqkv, self.dact = e(N, S), e(N, F)
-            self.Dv = e(B, Hq, T)
-            self.dqp = e((T + 63) // 64, N, Cq) if attn == "flash" else None
-            self.part = e(rms_part_rows(N), D)
-
-    # --- inputs ---
-    def set_batch(self, x, y=None, want_grad=False):
-        """x, y (B, T) int32 host arrays; one host-to-device copy."""
-        cfg, N, V, K = self.cfg, self.N, self.cfg.vocab, self.cfg.n_mtp
-        assert x.shape == (self.B, self.T), (x.shape, self.B, self.T)
-        if x.min() < 0 or x.max() >= V:
-            raise UserError(f"token ids must lie in 0..{V - 1}")
-        i = self._stage_i
-        self._stage_i ^= 1
-        if self._stage_ev[i] is not None:
-            self._stage_ev[i].synchronize()          # its previous copy has left the buffer
-        buf = self._stage[i]
-        buf[:] = 0
-        buf[:N] = x.reshape(-1)
-        if y is not None:
-            buf[N:2 * N] = y.reshape(-1)
-            sc, inv = loss_weights(y, K, cfg.mtp_weight)
-            buf[3 * N + V + 1:] = np.concatenate([sc, inv]).view(np.int32)
-        if want_grad:
-            order, starts = sort_tokens(x, V)
-            buf[2 * N:3 * N], buf[3 * N:3 * N + V + 1] = order, starts
-        self.inp.set(buf, stream=cp.cuda.get_current_stream())
-        ev = cp.cuda.Event()
-        ev.record()
-        self._stage_ev[i] = ev
-
-    # --- forward ---
-    def forward(self, want_loss=True, want_grad=False):
-        """Runs the model on the uploaded batch; with want_loss, self.ce holds the per-head CE on the
-        device and (with want_grad) self.logits the gradient of the objective with respect to them (the
-        bf16 path instead does the heads' backward here, chunk by chunk: G's heads and self.dh)."""
-        if self.bf:
-            return self._forward_bf16(want_loss, want_grad)
-        cfg, P, B, T = self.cfg, self.P, self.B, self.T
-        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        embed_fwd(P["tok_emb"], self.idx, self.xs[0])
-        rmsnorm_fwd(self.xs[0], P["layers.0.attn_norm"], self.h1[0], self.r1[0])
-        for l in range(L):
-            p = f"layers.{l}."
-            mm(self.qkv[l], self.h1[l], P.rows(p + "wq", p + "wv"), tb=True)           # (N, S)
-            rope(self.qkv[l], self.cos, self.sin, T, Hq + Hkv, hd)
-            if self.attn == "flash":
-                flash_fwd(self.qkv[l], self.att[l], self.lse[l], B, T, Hq, Hkv, hd)
-            else:
-                naive_fwd(self.qkv[l], self.att[l], self.probs[l], self.nws, B, T, Hq, Hkv, hd)
-            mm(self.tmp, self.att[l], P[p + "wo"], tb=True)
-            rmsnorm_fwd(self.xs[l], P[p + "ffn_norm"], self.h2[l], self.r2[l], add=self.tmp, xout=self.xm[l])
-            mm(self.gu[l], self.h2[l], P.rows(p + "w1", p + "w3"), tb=True)            # (N, 2F)
-            swiglu_fwd(self.gu[l], self.act[l])
-            mm(self.tmp, self.act[l], P[p + "w2"], tb=True)
-            last = l == L - 1
-            rmsnorm_fwd(self.xm[l], P["norm" if last else f"layers.{l + 1}.attn_norm"],
-                        self.hf if last else self.h1[l + 1], self.rf if last else self.r1[l + 1],
-                        add=self.tmp, xout=self.xs[l + 1])
-        if not want_loss:
-            return
-        mm(self.logits, self.hf, P.rows("heads.0", f"heads.{cfg.n_mtp - 1}"), tb=True)  # (N, K*V)
-        xent(self.logits, self.tgt, self.scales, self.rowloss, T, cfg.n_mtp, want_grad)
-        loss_reduce(self.rowloss, self.inv_count, self.ce)
-
-    # --- backward: gradients into self.G (every tensor is written, none accumulated across steps) ---
-    def backward(self):
-        if self.bf:
-            return self._backward_bf16()
-        cfg, P, G, B, T = self.cfg, self.P, self.G, self.B, self.T
-        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        heads = ("heads.0", f"heads.{cfg.n_mtp - 1}")
-        mm(G.rows(*heads), self.logits, self.hf, ta=True)                   # dHeads = dlogits^T hf
-        mm(self.dh, self.logits, P.rows(*heads))                            # dhf = dlogits Heads
-        rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False)
-        self._grads_done("norm")
-        for l in reversed(range(L)):
-            p = f"layers.{l}."
-            # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
-            mm(G[p + "w2"], self.dx, self.act[l], ta=True)
-            mm(self.dact, self.dx, P[p + "w2"])
-            swiglu_bwd(self.dact, self.gu[l])                               # gu[l] now holds [dg | du]
-            mm(G.rows(p + "w1", p + "w3"), self.gu[l], self.h2[l], ta=True)
-            mm(self.dh, self.gu[l], P.rows(p + "w1", p + "w3"))
-            rmsnorm_bwd(self.dh, self.xm[l], P[p + "ffn_norm"], self.r2[l], self.dx, G[p + "ffn_norm"], self.part)
-            # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
-            mm(G[p + "wo"], self.dx, self.att[l], ta=True)
-            mm(self.da, self.dx, P[p + "wo"])
-            if self.attn == "flash":
-                flash_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.Dv, self.dqp,
-                          B, T, Hq, Hkv, hd)
-            else:
-                naive_bwd(self.qkv[l], self.da, self.probs[l], self.dqkv, self.nws, B, T, Hq, Hkv, hd)
-            rope(self.dqkv, self.cos, self.sin, T, Hq + Hkv, hd, sign=-1.0)
-            mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
-            mm(self.dh, self.dqkv, P.rows(p + "wq", p + "wv"))
-            rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part)
-            self._grads_done(p + "attn_norm")
-        embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
-        self._grads_done("tok_emb")
-
-    def _grads_done(self, name):
-        """Every gradient from tensor `name` to the end of the flat layout is final: on several GPUs the hook
-        (distributed.ZeRO.reduce) starts reducing them while the backward goes on."""
-        if self.on_grads is not None:
-            self.on_grads(self.G.offsets[name][0])
-
-    # --- the bf16 path: bf16 GEMM inputs (Pb, activations), fp32 accumulation, fp32 residual stream ---
-    def _forward_bf16(self, want_loss, want_grad):
-        cfg, P, Pb, B, T = self.cfg, self.P, self.Pb, self.B, self.T
-        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        embed_fwd(P["tok_emb"], self.idx, self.xs[0])                       # fp32 rows of the master weights
-        rmsnorm_fwd(self.xs[0], P["layers.0.attn_norm"], self.h1[0], self.r1[0])
-        for l in range(L):
-            p = f"layers.{l}."
-            mm(self.qkv[l], self.h1[l], Pb.rows(p + "wq", p + "wv"), tb=True)          # (N, S) bf16
-            rope(self.qkv[l], self.cos, self.sin, T, Hq + Hkv, hd)
-            flash_bf16_fwd(self.qkv[l], self.att[l], self.lse[l], B, T, Hq, Hkv, hd)
-            mm(self.tmp, self.att[l], Pb[p + "wo"], tb=True)                          # bf16 branch
-            rmsnorm_fwd(self.xs[l], P[p + "ffn_norm"], self.h2[l], self.r2[l], add=self.tmp, xout=self.xm[l])
-            mm(self.gu[l], self.h2[l], Pb.rows(p + "w1", p + "w3"), tb=True)           # (N, 2F) bf16
-            swiglu_fwd(self.gu[l], self.act[l])
-            mm(self.tmp, self.act[l], Pb[p + "w2"], tb=True)
-            last = l == L - 1
-            rmsnorm_fwd(self.xm[l], P["norm" if last else f"layers.{l + 1}.attn_norm"],
-                        self.hf if last else self.h1[l + 1], self.rf if last else self.r1[l + 1],
-                        add=self.tmp, xout=self.xs[l + 1])
-        if want_loss:
-            self._loss_head_bf16(want_grad)
-
-    def _loss_head_bf16(self, want_grad):
-        """Logits + MTP cross-entropy, fused and chunked over rows: per chunk one GEMM makes the logits of all
-        heads (bf16, as autocast has them; 0.5 ms less a B=64 step than fp32), xent_chunk the loss from fp32
-        statistics (max, sum of exp, log-sum-exp) and the bf16 gradient, and (want_grad) two GEMMs take the
-        chunk's share of dHeads (accumulated over the chunks in order: deterministic) and its rows of dhf.
-        Only a (chunk, n_mtp*V) block of logits ever exists."""
-        T, K = self.T, self.cfg.n_mtp
-        heads = ("heads.0", f"heads.{K - 1}")
-        Wb = self.Pb.rows(*heads)                                            # (K*V, D) bf16
-        for n0, lg, dl, hf, dh in self.chunks:
-            mm(lg, hf, Wb, tb=True)
-            xent_chunk(lg, dl, self.tgt, self.scales, self.rowloss, n0, T, K, want_grad)
-            if want_grad:
-                mm(self.G.rows(*heads), dl, hf, ta=True, beta=1.0 if n0 else 0.0)   # dHeads (+)= dl^T hf
-                mm(dh, dl, Wb)                                                     # dhf rows (bf16)
-        loss_reduce(self.rowloss, self.inv_count, self.ce)
-
-    def _backward_bf16(self):
-        """After _forward_bf16(want_grad=True), which left dhf in self.dh and the heads' gradient in G."""
-        cfg, P, Pb, G, B, T = self.cfg, self.P, self.Pb, self.G, self.B, self.T
-        L, hd, Hq, Hkv = cfg.n_layers, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        rmsnorm_bwd(self.dh, self.xs[L], P["norm"], self.rf, self.dx, G["norm"], self.part, accumulate=False,
-                    dxb=self.dxb)
-        self._grads_done("norm")
-        for l in reversed(range(L)):
-            p = f"layers.{l}."
-            # Euler step 2: x = x + swiglu(h2 @ [w1|w3].T) @ w2.T
-            mm(self.dact, self.dxb, Pb[p + "w2"])
-            swiglu_bwd(self.dact, self.gu[l])                               # gu[l] <- [dg | du]
-            mm(G[p + "w2"], self.dxb, self.act[l], ta=True)
-            mm(G.rows(p + "w1", p + "w3"), self.gu[l], self.h2[l], ta=True)
-            mm(self.dh, self.gu[l], Pb.rows(p + "w1", p + "w3"))
-            rmsnorm_bwd(self.dh, self.xm[l], P[p + "ffn_norm"], self.r2[l], self.dx, G[p + "ffn_norm"], self.part,
-                        dxb=self.dxb)
-            # Euler step 1: x = x + attention(rope(h1 @ [wq|wk|wv].T)) @ wo.T
-            mm(G[p + "wo"], self.dxb, self.att[l], ta=True)
-            mm(self.da, self.dxb, Pb[p + "wo"])
-            flash_bf16_bwd(self.qkv[l], self.att[l], self.da, self.lse[l], self.dqkv, self.fws, self.cos, self.sin,
-                           B, T, Hq, Hkv, hd)                                  # dq, dk rotated back
-            mm(G.rows(p + "wq", p + "wv"), self.dqkv, self.h1[l], ta=True)
-            mm(self.dh, self.dqkv, Pb.rows(p + "wq", p + "wv"))
-            rmsnorm_bwd(self.dh, self.xs[l], P[p + "attn_norm"], self.r1[l], self.dx, G[p + "attn_norm"], self.part,
-                        dxb=self.dxb if l else None)
-            self._grads_done(p + "attn_norm")
-        embed_bwd(self.dx, self.order, self.starts, G["tok_emb"])
-        self._grads_done("tok_emb")
-
-    def losses(self):
-        """(objective, per-head CE) from the device (a sync)."""
-        ces = [float(c) for c in cp.asnumpy(self.ce)]
-        return pl.mtp_objective(ces, self.cfg.mtp_weight), ces
-
-    def batch_loss(self, x, y):
-        """Head-0 CE of one batch, forward only (validation)."""
-        self.set_batch(x, y)
-        self.forward(want_loss=True, want_grad=False)
-        return self.losses()[1][0]
-
-
-# ----------------------------------------------------------------------------------------------------
-# optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device
-
-class AdamW:
-    def __init__(self, P, G, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0, Pb=None, shard=None):
-        """P, G: DeviceParams of the weights and their gradients (updated in place); Pb: the bf16 copy of P
-        (the bf16 path), rewritten by the same kernel pass. shard: ZeRO-1 on several GPUs (distributed.ZeRO), the
-        size of this rank's shard of the moments, which it updates piece by piece with update()."""
-        cfg = P.cfg
-        self.P, self.G, self.beta1, self.beta2, self.eps, self.wd, self.clip = P, G, beta1, beta2, eps, weight_decay, clip
-        self.Pb = Pb
-        self.m, self.v = ((DeviceParams(cfg), DeviceParams(cfg)) if shard is None else
-                          (cp.zeros(shard, np.float32), cp.zeros(shard, np.float32)))
-        self.step_count = 0
-        self.nblk = 1024
-        self.part = cp.zeros(self.nblk, np.float64)
-        self.norm = cp.zeros(1, np.float32)
-        self.hyper = cp.zeros(3, np.float32)          # the step's lr, 1 - beta1^t, 1 - beta2^t (next_step)
-        off = P.offsets
-        self.layers_start = off["layers.0.attn_norm"][0]
-        self.layer_size = off["layers.1.attn_norm"][0] - self.layers_start if cfg.n_layers > 1 else \
-            off["norm"][0] - self.layers_start
-        self.ffn_off = off["layers.0.ffn_norm"][0] - self.layers_start
-        # the kernel finds the norm weights by offset arithmetic: check it covers exactly the 1-D tensors
-        for name, (a, b, shape) in off.items():
-            want = 0.0 if len(shape) == 1 else 1.0
-            for i in {a, b - 1}:
-                if self._decay_at(i, cfg.dim, cfg.n_layers) != want:
-                    raise AssertionError(f"weight-decay layout wrong at {name}")
-
-    def _decay_at(self, i, D, L):
-        end = self.layers_start + self.layer_size * L
-        if self.layers_start <= i < end:
-            o = (i - self.layers_start) % self.layer_size
-            return 0.0 if o < D or self.ffn_off <= o < self.ffn_off + D else 1.0
-        return 0.0 if end <= i < end + D else 1.0
-
-    def grad_norm(self, g, reduce=None):
-        """self.norm = the L2 norm of g: float64 partial sums, then their sum in a fixed order. reduce(part), on
-        several GPUs, first adds each partial sum over the ranks (g is then one rank's shard)."""
-        n = g.size
-        _k("sumsq_partial")((self.nblk,), (256,), (g, np.int64(n), self.part))
-        if reduce is not None:
-            reduce(self.part)
-        _k("sumsq_final")((1,), (32,), (self.part, I32(self.nblk), self.norm))
-
-    def step(self, lr):
-        """Clips the global gradient norm to self.clip and updates the parameters (all on the device)."""
-        self.next_step(lr)
-        self.apply()
-
-    def next_step(self, lr):
-        """Counts a step; its lr and bias corrections to the device, where the update kernel reads them, so
-        that a captured step replays with each step's values. A copy on the current stream."""
-        self.step_count += 1
-        t = self.step_count
-        self.hyper.set(np.array([lr, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t], np.float32))
-
-    def apply(self):
-        """The gradient norm and the update with the hyper-parameters on the device: capturable."""
-        self.grad_norm(self.G.flat)
-        self.update(self.P.flat, self.G.flat, self.m.flat, self.v.flat, None if self.Pb is None else self.Pb.flat)
-
-    def update(self, p, g, m, v, pb, first=0):
-        """One fused AdamW pass, clipped by self.norm, over a range of the flat layout that starts at element
-        `first` (p, g, m, v and the bf16 copy pb or None: that range of each); the decay mask moves with it."""
-        cfg = self.P.cfg
-        head = (p, g, m, v) + ((pb,) if pb is not None else ())
-        _k("adamw_bf16" if pb is not None else "adamw")(
-            (132 * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
-                                        F32(self.eps), F32(self.wd), F32(self.clip),
-                                        np.int64(self.layers_start - first), np.int64(self.layer_size),
-                                        I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# training: nanoeuler's train_loop, run set-up and SFT, with this engine's trainer; checkpoints in
-# nanoeuler's format, so either engine resumes the other's run
-
-TRAIN_DEFAULTS = dict(pl.TRAIN_DEFAULTS, config="big", steps=5000, batch=16, seq=512, lr=6e-4, warmup=200,
-                      eval_every=500, sample_every=0, ckpt_every=5000, log_every=50, attn="flash", precision="bf16")
-PRECISION_HELP = ("bf16: mixed precision (fp32 master weights and Adam moments, bf16 activations and matrix inputs, "
-                  "tensor-core flash attention); tf32: fp32 storage, TF32 matrix products; fp32: the reference")
-
-
-def add_precision_flag(p, default_note="bf16"):
-    p.add_argument("--precision", choices=PRECISIONS, help=f"{PRECISION_HELP} (default {default_note})")
-
-
-def add_model_flags(p):
-    """--attn and --precision of the modes that run a loaded checkpoint (sft, dpo, eval)."""
-    p.add_argument("--attn", choices=["flash", "naive"], default="flash", help="attention kernel (default flash)")
-    add_precision_flag(p)
-
-
-def precision_of(a, cfg):
-    """add_model_flags' precision: as asked (an error where cfg cannot run it), else bf16 where it can."""
-    return check_precision(a.precision or "bf16", cfg, a.attn, explicit=a.precision is not None)
-DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
-
-
-def default_data():
-    """The data pipeline's output if it exists, else None (nanoeuler's embedded default corpus)."""
-    return next((p for p in (os.path.join(HERE, d) for d in DEFAULT_DATA) if os.path.isfile(p)), None)
-
-
-class Trainer:
-    """nanoeuler.train_loop's engine interface on the GPU. step() only queues work on the device: each
-    step's per-head CE and gradient norm are copied into a row of a device history, and results() reads
-    the rows since its last call in one transfer, the loop's only host sync (once per log interval).
-    accum: micro-batches per step (x holds accum x B rows), their gradients and losses averaged; one GPU adds
-    them up in opt.G, its own buffer. dp: a distributed.ZeRO (several GPUs), which reduces the gradients as
-    the backward makes them and runs the sharded update."""
-    sync_every_step = False
-
-    def __init__(self, model, opt, accum=1, dp=None):
-        self.model, self.opt, self.accum, self.dp, self.n = model, opt, accum, dp, 0
-        self.rank, self.world = (dp.rank, dp.world) if dp is not None else (0, 1)
-        self.hist = cp.zeros((64, model.cfg.n_mtp + 1), np.float32)
-        # bf16 on one GPU without accumulation: the step's ~440 launches (forward, backward, AdamW) are captured
-        # as a CUDA graph on a stream of their own at the second step, then replayed: one launch a step (B=16:
-        # 498K -> 509K tokens/s on an H200; B=64, where the GPU is never short of queued work, +0.3%)
-        self.graph, self.eager = None, 0
-        self.stream = cp.cuda.Stream() if model.bf and accum == 1 and dp is None else None
-
-    def step(self, x, y, lr):
-        m, K, A, B = self.model, self.model.cfg.n_mtp, self.accum, self.model.B
-        if self.n == len(self.hist):
-            self.hist = cp.concatenate([self.hist, cp.zeros_like(self.hist)])
-        if self.stream is not None:
-            return self._graph_step(x, y, lr)
-        loss = self.hist[self.n, :K]
-        for i in range(A):
-            if i and self.dp is not None:
-                self.dp.wait_reduced()                 # the last micro-step's reductions have read m.G
-            m.set_batch(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B], want_grad=True)
-            m.forward(want_loss=True, want_grad=True)
-            m.backward()
-            if i == 0:
-                loss[...] = m.ce
-            else:
-                loss += m.ce
-            if A > 1 and self.dp is None:              # one GPU: g1 + g2 + .. in opt.G
-                if i == 0:
-                    self.opt.G.flat[...] = m.G.flat
-                else:
-                    self.opt.G.flat += m.G.flat
-        if A > 1:
-            loss *= 1.0 / A
-            if self.dp is None:
-                self.opt.G.flat *= 1.0 / A
-        if self.dp is not None:
-            self.dp.step(self.opt, lr, loss)
-        else:
-            self.opt.step(lr)
-        self.hist[self.n, K:] = self.opt.norm
-        self.n += 1
-
-    def _graph_step(self, x, y, lr):
-        """step() as a graph replay: the batch and the lr go to fixed device buffers first, the losses and the
-        norm are copied into the history after."""
-        m, opt, K = self.model, self.opt, self.model.cfg.n_mtp
-
-        def body():
-            m.forward(want_loss=True, want_grad=True)
-            m.backward()
-            opt.apply()
-        with on_stream(self.stream):
-            m.set_batch(x, y, want_grad=True)
-            opt.next_step(lr)
-            if self.graph is None and self.eager:          # warm: kernels compiled, shared memory raised
-                self.graph = capture(self.stream, body, "the training step")
-                if self.graph is None:
-                    self.stream = None
-            if self.graph is not None:
-                self.graph.launch(self.stream)
-            else:
-                body()
-                self.eager += 1
-            self.hist[self.n, :K] = m.ce
-            self.hist[self.n, K:] = opt.norm
-        self.n += 1
-
-    def any_rank(self, flag):
-        """Several GPUs: True on every rank if flag is True on any (a collective)."""
-        return self.dp.any(flag)
-
-    def results(self):
-        rows, self.n = cp.asnumpy(self.hist[:self.n]), 0
-        K, w = self.model.cfg.n_mtp, self.model.cfg.mtp_weight
-        return [(pl.mtp_objective([float(c) for c in r[:K]], w), [float(c) for c in r[:K]], float(r[K]))
-                for r in rows]
-
-    def host_state(self):
-        """(weights, m, v) as host Params; several GPUs: a collective, None on ranks other than 0."""
-        if self.dp is not None:
-            return self.dp.host_state(self.model, self.opt)
-        return self.model.P.download(), self.opt.m.download(), self.opt.v.download()
-
-
-def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None):
-    """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer,
-    with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks."""
-    import distributed
-    dp = None if group is None else distributed.ZeRO(sys.modules[__name__], group, P.cfg, accum)
-    model = Model(P.cfg, B, T, attn=attn, precision=precision, params=dp and dp.params())
-    model.load(P)
-    if dp is not None:
-        dp.attach(model)
-    G = model.G if accum == 1 or dp is not None else DeviceParams(P.cfg)   # one GPU adds micro-batches up in G
-    opt = AdamW(model.P, G, Pb=model.Pb, shard=dp and dp.S)
-    if state is not None:
-        if dp is not None:
-            dp.load_moments(opt, state["adam_m"], state["adam_v"])
-        else:
-            opt.m.upload(state["adam_m"])
-            opt.v.upload(state["adam_v"])
-        opt.step_count = state["step"]
-    set_tf32(precision == "tf32")
-    return Trainer(model, opt, accum, dp)
-
-
-PRECISION_WORDS = {"bf16": "bf16 mixed precision (fp32 master weights), bf16 tensor-core flash attention",
-                   "tf32": "fp32 storage, TF32 matmuls", "fp32": "fp32, TF32 off"}
-
-
-def cmd_train(argv, resume):
-    p = pl.Parser(prog="nanoeuler_cuda.py " + ("resume" if resume else "train"),
-                  description="resume the run in --out" if resume else "pretrain (default: big on data/pretrain.bin, "
-                  "data/web.txt or data/gutenberg.txt, the first that exists, else the embedded corpus)")
-    defaults = dict(TRAIN_DEFAULTS, data=default_data())
-    pl.add_train_flags(p, out="out/gpu", defaults=defaults)
-    p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
-    add_precision_flag(p, "bf16; a resumed run keeps its own")
-    import distributed
-    distributed.add_gpus_flag(p)
-    a = p.parse_args(argv)
-    a.config, resume = pl.config_arg(a), resume or a.resume
-    if distributed.launching(a.gpus):               # --gpus N: N ranks of this same command, one per GPU
-        return distributed.launch(a.gpus, [sys.executable, os.path.abspath(__file__),
-                                           "resume" if resume else "train", *argv])
-    group = distributed.join(a.gpus)               # one rank of a run (its environment): picks its GPU
-    if group is None:
-        return train(a, defaults, resume)
-    group.run(lambda: train(a, defaults, resume, group))   # ends the process
-
-
-def train(a, defaults, resume, group=None):
-    """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
-    gpu()
-    rank, world = (group.rank, group.world) if group is not None else (0, 1)
-    import distributed
-    with distributed.rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
-        P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
-    B, T, A = args["batch"], args["seq"], args["grad_accum"]
-    if state is not None and "precision" not in state["train"] and a.precision is None:
-        args["precision"] = "tf32"                  # a run from before --precision trained in TF32: keep it
-    # the precision is part of the run's arguments (saved in the checkpoint's train_state, kept on resume);
-    # only the default may fall back to tf32 where bf16 cannot run
-    args["precision"] = check_precision(args["precision"], P.cfg, args["attn"],
-                                        explicit=a.precision is not None or state is not None)
-    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group)
-    line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
-            f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-    if world * A > 1:
-        line += (f"; global batch {world * A * B} sequences: {world} GPU(s) x {A} micro-batch(es) x {B}"
-                 + (", ZeRO-1" if world > 1 else ""))
-    print(line)
-    batches = pl.Batches(tokens, A * B, T, seed=args["seed"], rank=rank, world=world)
-    if state is not None:
-        batches.set_state(state["data"])
-    if rank:                                        # the other ranks train, and that is all
-        pl.train_loop(trainer, tok, batches, args, a.out, None, extra, start=state["step"] if state else 0)
-        return
-    bpt = pl.bytes_per_token(tok, tokens)
-    val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
-    sampler = Sampler(trainer.model.P)
-    gen = lambda ids, n, rng: sampler.generate(ids, n, pl.Sampling(0.8, 40), rng)
-    if state is None:
-        print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
-    pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
-                  sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
-    sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
-    report = evaluate.write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
-                                   peak_tflops=PEAK_TFLOPS * world)
-    print(f"report: {report}")
-
-
-# ----------------------------------------------------------------------------------------------------
-# generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
-# graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
-# the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream; greedy
-# rounds are decided on the device too, so the host only reads the ids every few rounds)
-
 GEN_CHUNK = 8       # decode steps (speculative: rounds) replayed between two reads of the new ids by the host
 MAX_GRAPHS = 64     # a sampler's captured graphs at most
 
@@ -3958,8 +3906,16 @@ def cmd_infer(argv):
     print(pl.speed_line(n, dt, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats), file=sys.stderr)
 
 
+# (every source is declared above: the module registry's table)
+SOURCES = {"embed": EMBED_SRC, "rmsnorm": RMSNORM_SRC, "rope": ROPE_SRC, "swiglu": SWIGLU_SRC, "xent": XENT_SRC,
+           "flash": FLASH_SRC, "flash_bf16": FLASH_BF16_SRC, "naive": NAIVE_SRC, "infer": INFER_SRC,
+           "optim": OPTIM_SRC}
+
+
 # ----------------------------------------------------------------------------------------------------
-# SFT and chat: nanoeuler's Alpaca template, data and REPL; batches padded to the model's fixed T
+# 7. fine-tuning and evaluation: SFT, chat and serve; DPO; HellaSwag and bits per byte; loss curves
+
+# --- SFT and chat: nanoeuler's Alpaca template, data and REPL; batches padded to the model's fixed T
 
 def cmd_sft(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sft", description="fine-tune a base checkpoint on instructions")
@@ -4000,8 +3956,7 @@ def cmd_serve(argv):
         ids, n, sampling=sampling, rng=rng, speculative=pl.speculative_for(a.speculative, sampling)), "GPU")
 
 
-# ----------------------------------------------------------------------------------------------------
-# DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
+# --- DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
 # there). Its log-prob of each row's targets scores HellaSwag and bits per byte (evaluate.py) and gives
 # DPO's sequence log-probs (CONTRACT.md "DPO"). DPO's gradient with respect to the logits of row b is
 # c_b (softmax - onehot) on head 0 at its counted targets, c_b = -d loss / d logp_b (pl.dpo_loss): the
@@ -4218,7 +4173,65 @@ def cmd_plot(argv):
 
 
 # ----------------------------------------------------------------------------------------------------
-# self-test: every kernel, forward and backward, against a float64 reference (nanoeuler's CPU layers
+# 8. verification: the NVRTC compile check, the self-test of every kernel, the gradient check of the model
+
+# --- NVRTC compile check: every source compiled to PTX (or, with arch sm_90, to machine code with the
+# register and spill report) through libnvrtc loaded by ctypes, so it runs without a GPU or CuPy
+# (CI installs the nvidia-cuda-nvrtc-cu12 wheel).
+
+def _find_nvrtc():
+    import ctypes
+    import ctypes.util
+    import glob
+    cands = []
+    for mod in ("nvidia.cuda_nvrtc", "nvidia.cu13", "nvidia"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+            for p in getattr(m, "__path__", []):
+                cands += sorted(glob.glob(os.path.join(p, "lib", "libnvrtc.so*")), reverse=True)
+                cands += sorted(glob.glob(os.path.join(p, "*", "lib", "libnvrtc.so*")), reverse=True)
+        except Exception:
+            pass
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            cands += sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")), reverse=True)
+    cands += [ctypes.util.find_library("nvrtc"), "libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+    for c in cands:
+        if c and "builtins" not in c:
+            try:
+                return ctypes.CDLL(c), c
+            except OSError:
+                continue
+    return None, None
+
+
+def compile_check(arch="compute_90", verbose=False):
+    """-> (library path, [(module, ok, log)]) or (None, []) when no libnvrtc is found."""
+    import ctypes
+    lib, path = _find_nvrtc()
+    if lib is None:
+        return None, []
+    results = []
+    for name, src in SOURCES.items():
+        prog = ctypes.c_void_p()
+        code = (COMMON + src).encode()
+        rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, f"{name}.cu".encode(), 0, None, None)
+        if rc:
+            results.append((name, False, f"nvrtcCreateProgram error {rc}"))
+            continue
+        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS] + (["--ptxas-options=-v"] if verbose else [])
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, buf)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        results.append((name, rc == 0, buf.value.decode(errors="replace").strip()))
+    return path, results
+
+
+# --- self-test: every kernel, forward and backward, against a float64 reference (nanoeuler's CPU layers
 # where it has them, numpy otherwise) on fresh random inputs, with the outputs poisoned (NaN) first.
 # Error: max |gpu - ref| / max |ref| per output (NaN anywhere fails).
 
@@ -4722,8 +4735,7 @@ def cmd_selftest(argv):
     return 0 if ok else 1
 
 
-# ----------------------------------------------------------------------------------------------------
-# gradient check: the whole model on the GPU against nanoeuler.loss_and_grads in float64 on the same
+# --- gradient check: the whole model on the GPU against nanoeuler.loss_and_grads in float64 on the same
 # float32 weights; several layers, Hq/Hkv > 1, >= 3 MTP heads, -1 targets. fp32 (TF32 off, the default)
 # to 1e-5; bf16 (mixed precision: bf16 weights copy, activations and tensor-core attention) to 2e-2.
 # The bf16 check runs on matrices of std 0.05 that are bf16 numbers (so the fp32 master weights equal
@@ -4805,7 +4817,7 @@ def gradcheck_verdict(rows, name, what, precision):
 
 
 # ----------------------------------------------------------------------------------------------------
-# bench: training speed of `big` (tokens/s, ms/step, MFU, peak memory) per precision and batch size, and
+# 9. bench: training speed of `big` (tokens/s, ms/step, MFU, peak memory) per precision and batch size, and
 # attention forward + backward alone (flash bf16, flash fp32, naive). A step time is CUDA events around
 # --steps steps run back to back after 3 warm-up steps, as the training loop runs them (the host queues
 # ahead of the device); "host ms" is the time the host takes to queue one step on an idle device (the
@@ -5047,7 +5059,7 @@ def print_bench_generation(a, cfg):
 
 
 # ----------------------------------------------------------------------------------------------------
-# main
+# 10. command line: the modes, their letters and main
 
 MODES = {"selftest": cmd_selftest, "gradcheck": cmd_gradcheck, "train": lambda a: cmd_train(a, False),
          "resume": lambda a: cmd_train(a, True), "sample": cmd_infer, "sft": cmd_sft, "chat": cmd_chat,
