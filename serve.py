@@ -2,7 +2,7 @@
 serve.py -- an OpenAI-compatible HTTP server and a web chat page, over either engine.
 
     python3 nanoeuler.py serve --ckpt out_chat [--host 127.0.0.1] [--port 8000]       # the CPU engine
-    python3 nanoeuler_cuda.py serve --ckpt out/gpu_chat                                # the GPU engine
+    python3 nanoeuler_cuda.py serve --ckpt out_chat                                    # the GPU engine
 
 Routes: GET / is the chat page (chat.html, beside this file); GET /v1/models and /v1/models/NAME; POST
 /v1/chat/completions and /v1/completions, streamed as server-sent events (`data: {chunk}` lines, then
