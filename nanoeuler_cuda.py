@@ -522,6 +522,28 @@ template <bool MAX> __device__ float block_reduce(float v) {
 }
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
+// (value, id) pairs: the larger value first, the smaller id on a tie (numpy's first argmax)
+__device__ __forceinline__ bool before(float a, int ai, float b, int bi) { return a > b || (a == b && ai < bi); }
+__device__ void block_argmax(float& v, int& i) {          // every thread gets the block's first argmax
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    if (lane == 0) { sv[w] = v; si[w] = i; }
+    __syncthreads();
+    v = lane < nw ? sv[lane] : NEG_INF;
+    i = lane < nw ? si[lane] : 0x7fffffff;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+}
 // Programmatic dependent launch (sm_90; no-ops before it). A kernel started by launch() may begin while
 // the stream's previous kernels still run, back to the last plain launch: before dep_wait() it may read
 // only what was written before that launch began (the weights; in a decode step, which starts with the
@@ -2860,7 +2882,11 @@ def train(a, defaults, resume, group=None):
 #     result depends on that row alone, never on how many rows the step has: a verify step of speculative
 #     decoding computes bit for bit what plain decoding computes, so their greedy ids agree ---
 
-INFER_SRC = r"""
+# --- decode products: a step of at most MATVEC_ROWS rows multiplies by matvec, the RMSNorm before the
+#     product and its epilogue (the residual add, SwiGLU, or RoPE and the cache append) fused in; more
+#     rows (a prompt, many streams) take cuBLAS (sgemm_nt) and rope_store ---
+
+MATVEC_SRC = r"""
 // The pair (i, i + hd/2) of head hh of a new row of stream b at position p: rotated if a q or k head, written
 // back to the row r (its q|k|v), and appended to the cache if a k or v head (heads Hq.. Hq+Hkv-1 are k, the
 // rest v). rope_store and matvec's ROPE epilogue.
@@ -2897,6 +2923,190 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
     rope_append(r[hh * hd + i], r[hh * hd + i + half], r, hh, i, n / rows, state[0] + n % rows, cosv, sinv, kc, vc,
                 Hq, Hkv, hd, ctx);
 }
+// The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
+// and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
+// A unit of work is two of W's rows c1, c2. Block b owns units b*UPB ..: it copies their rows into shared
+// memory (cp.async) before dep_wait, so the weights stream in while the previous kernel runs; then x', 8
+// rows at a time, into shared memory, and its warps take (unit, part) tasks in turn: PARTS warps split a
+// unit's K (16-byte pieces, K % 4 == 0), their partial sums added in a fixed order. UPB and PARTS depend on
+// W's shape alone (matvec_plan()), so each row's result is the same for any R. EPI:
+//   OUT   units (c, c + N/2): out (R, N) = the product;  ADD the same, out += it (the residual, in place);
+//   GLU   W = [w1; w3] (N = 2F), units (f, f + F): out (R, F) = silu(s1) * s2, SwiGLU's activation;
+//   ROPE  W = [wq; wk; wv], units (i, i + hd/2) of each head: out = qkv with its q and k heads rotated at
+//         the row's position (state[0] + row % rows), k and v also appended to the caches kc and vc.
+enum { OUT = 0, ADD = 1, GLU = 2, ROPE = 3 };
+template <int EPI, int PARTS> __device__ void matvec_rows(
+        float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ W,
+        const float* __restrict__ nw, int R, int K, int N, int UPB, const int* __restrict__ state,
+        const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc,
+        float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {
+    constexpr bool NORM = EPI != ADD;
+    extern __shared__ __align__(16) float4 sm4[];         // [nu][2][K4] W's rows, [K4] nw, [<= 8][K4] x'
+    __shared__ float red[2][8][8];                        // [sum][task][row of the group]
+    __shared__ float rs[64];                              // each row's rstd
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K4 = K >> 2, U = N / 2, half = hd / 2;
+    const int u0 = blockIdx.x * UPB, nu = min(UPB, U - u0);
+    auto cols = [&](int u, int& c1, int& c2) {
+        if (EPI == ROPE) { c1 = (u / half) * hd + u % half; c2 = c1 + half; }
+        else { c1 = u; c2 = u + U; }
+    };
+    float4* ws = sm4;
+    float4* nws = ws + UPB * 2 * K4;                      // (NORM) the norm's weights
+    float4* xs = nws + (NORM ? K4 : 0);
+    for (int i = threadIdx.x; i < nu * 2 * K4; i += blockDim.x) {
+        const int u = i / (2 * K4), k = i % K4;
+        int c1, c2;
+        cols(u0 + u, c1, c2);
+        fb_cp16(ws + i, W + (i64)((i / K4) & 1 ? c2 : c1) * K + 4 * k, 16);
+    }
+    if (NORM) for (int k = threadIdx.x; k < K4; k += blockDim.x) fb_cp16(nws + k, nw + 4 * k, 16);
+    fb_commit();
+    dep_trigger();
+    dep_wait();
+    if (NORM) {                  // the same sums, in the same order, in every block; rows 0..7 kept raw in xs
+        for (int r = warp; r < R; r += 8) {
+            const float4* xr = reinterpret_cast<const float4*>(x + (i64)r * K);
+            float ss = 0.f;
+            for (int k = lane; k < K4; k += 32) {
+                const float4 v = xr[k];
+                if (r < 8) xs[r * K4 + k] = v;
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + 1e-5f);
+        }
+    }
+    fb_wait<0>();
+    __syncthreads();
+    auto epilogue = [&](int r, int u, float s1, float s2) {
+        int a, c;
+        cols(u, a, c);
+        float* o = out + (i64)r * (EPI == GLU ? U : N);
+        if (EPI == OUT) { o[a] = s1; o[c] = s2; }
+        if (EPI == ADD) { o[a] += s1; o[c] += s2; }
+        if (EPI == GLU) o[u] = s1 / (1.f + expf(-s1)) * s2;
+        if (EPI == ROPE)
+            rope_append(s1, s2, o, u / half, u % half, r / rows, state[0] + r % rows, cosv, sinv, kc, vc, Hq, Hkv, hd,
+                        ctx);
+    };
+    for (int r0 = 0; r0 < R; r0 += 8) {
+        const int nr = min(8, R - r0);
+        for (int i = threadIdx.x; i < nr * K4; i += blockDim.x) {     // x' of rows r0 .. r0 + nr - 1
+            const int r = i / K4, k = i % K4;
+            float4 v = r0 == 0 && NORM ? xs[i] : reinterpret_cast<const float4*>(x + (i64)(r0 + r) * K)[k];
+            if (NORM) {
+                const float s = rs[r0 + r];
+                const float4 g = nws[k];
+                v = make_float4(v.x * s * g.x, v.y * s * g.y, v.z * s * g.z, v.w * s * g.w);
+            }
+            xs[i] = v;
+        }
+        __syncthreads();
+        for (int task = warp; task < nu * PARTS; task += 8) {
+            const int u = task / PARTS, part = task % PARTS;
+            const float4* w1 = ws + 2 * u * K4;
+            const float4* w2 = w1 + K4;
+            float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+            for (int k = part * 32 + lane; k < K4; k += 32 * PARTS) {
+                const float4 uu = w1[k], vv = w2[k];
+#pragma unroll
+                for (int r = 0; r < 8; r++) {
+                    if (r < nr) {
+                        const float4 xv = xs[r * K4 + k];
+                        a1[r] += uu.x * xv.x + uu.y * xv.y + uu.z * xv.z + uu.w * xv.w;
+                        a2[r] += vv.x * xv.x + vv.y * xv.y + vv.z * xv.z + vv.w * xv.w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                if (r < nr) {                             // the same for the whole warp
+                    const float s1 = warp_sum(a1[r]), s2 = warp_sum(a2[r]);
+                    if (PARTS == 1 && lane == 0) epilogue(r0 + r, u0 + u, s1, s2);
+                    if (PARTS > 1 && lane == 0) { red[0][task][r] = s1; red[1][task][r] = s2; }
+                }
+            }
+        }
+        __syncthreads();                                  // xs is rewritten next; red is complete
+        if (PARTS > 1 && threadIdx.x < 8 * nu) {          // nu * PARTS <= 8 tasks: one a warp
+            const int u = threadIdx.x >> 3, r = threadIdx.x & 7;
+            if (r < nr) {
+                float s1 = red[0][u * PARTS][r], s2 = red[1][u * PARTS][r];
+                for (int q = 1; q < PARTS; q++) { s1 += red[0][u * PARTS + q][r]; s2 += red[1][u * PARTS + q][r]; }
+                epilogue(r0 + r, u0 + u, s1, s2);
+            }
+        }
+    }
+}
+"""
+MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in MATVEC_SRC's order
+MATVEC_SRC += "".join(   # the kernels matvec() picks: one per epilogue and K split
+    [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
+     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
+     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
+     f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
+     f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
+     for parts in (1, 2, 4, 8) for e, epi in enumerate(MATVEC_EPI)])
+
+
+def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
+    R, ctx = qkv.shape[0], kc.shape[2]
+    _k("rope_store")(_blocks(R * (Hq + 2 * Hkv) * hd // 2), (256,), (qkv, kc, vc, cos, sin, state, I32(R), I32(rows),
+                                                                     I32(Hq), I32(Hkv), I32(hd), I32(ctx)))
+
+
+MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
+
+
+def sgemm_nt(C, A, W, beta=0.0):
+    """C (M, N) = A (M, K) @ W (N, K).T + beta * C in fp32 by _gemm_ex, which a CUDA graph can capture."""
+    (M, K), N = A.shape, W.shape[0]
+    assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
+    assert C.dtype == A.dtype == W.dtype == np.float32
+    _gemm_ex(1, 0, N, M, K, 1.0, W, K, A, K, beta, C, N, CUBLAS_COMPUTE_32F)
+
+
+MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks of consecutive kernels share an SM
+
+
+def matvec_plan(U, K, sms=None):
+    """(units a block, warps splitting a unit's K) for W's U units of two rows of K: the units spread over
+    the device's SMs, at most MATVEC_SMEM of W and 8 units a block (a unit a warp: with 10, two warps took
+    two and the rest waited, 7% of big's decode step); a block's 8 warps split each unit's K where it has
+    fewer than 8 units. A function of W's shape (and the device) alone: the sum order never depends on R."""
+    sms = sms or cp.cuda.Device().attributes["MultiProcessorCount"]
+    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K), 8))
+    parts = 1
+    while parts * 2 * upb <= 8 and K // 4 >= 32 * parts * 2:
+        parts *= 2
+    return upb, parts
+
+
+def matvec(out, x, W, epi="out", norm=None, rope=None):
+    """out = epi(x' @ W.T) for a decode step's R <= MATVEC_ROWS rows, x' = RMSNorm(x) * norm (every epi but
+    'add', whose x is an activation); see MATVEC_SRC: 'out' out (R, N) = the product, 'add' out += it, 'glu'
+    out (R, N/2) = silu(first half) * second half, 'rope' out = qkv, rotated, its k and v also into the
+    caches; rope = (kc, vc, cos, sin, state, rows, Hq, Hkv, hd)."""
+    (R, K), N = x.shape, W.shape[0]
+    assert (norm is None) == (epi == "add") and (rope is None) == (epi != "rope") and R <= MATVEC_ROWS
+    assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
+    assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
+    kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
+    upb, parts = matvec_plan(N // 2, K)
+    k = _k(f"matvec_{epi}_p{parts}")
+    smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
+    assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
+    shared_memory(k, smem)
+    launch(k, (-(-N // 2 // upb),), (256,), (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb),
+                                             state, cos, sin, kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd),
+                                             I32(kc.shape[2] if rope else 0)), shared_mem=smem)
+
+
+# --- KV-cache attention: each new row's query heads over the keys cached so far (attn_cached_body, a
+#     block a query head; attn_warps_body, a block a kv head, for a step of many rows) ---
+
+CACHE_ATTN_SRC = r"""
 // One block (ATTN_THREADS = 256) per (row, query head, stream) over keys 0 .. pos + t of the head's kv head,
 // in chunks of CH keys (attn_cached() picks CH) staged in shared memory by cp.async: the first chunk's
 // keys before pos (written by earlier steps) before dep_wait, so they load while the previous kernel runs;
@@ -3123,144 +3333,60 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
         stf(out + n * Cq + (i64)(j * GQ + w) * HD + d, o / L);
     }
 }
-// The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
-// and x' = RMSNorm(x) * nw (the rows' rstd computed here) for every EPI but ADD, whose x is an activation.
-// A unit of work is two of W's rows c1, c2. Block b owns units b*UPB ..: it copies their rows into shared
-// memory (cp.async) before dep_wait, so the weights stream in while the previous kernel runs; then x', 8
-// rows at a time, into shared memory, and its warps take (unit, part) tasks in turn: PARTS warps split a
-// unit's K (16-byte pieces, K % 4 == 0), their partial sums added in a fixed order. UPB and PARTS depend on
-// W's shape alone (matvec_plan()), so each row's result is the same for any R. EPI:
-//   OUT   units (c, c + N/2): out (R, N) = the product;  ADD the same, out += it (the residual, in place);
-//   GLU   W = [w1; w3] (N = 2F), units (f, f + F): out (R, F) = silu(s1) * s2, SwiGLU's activation;
-//   ROPE  W = [wq; wk; wv], units (i, i + hd/2) of each head: out = qkv with its q and k heads rotated at
-//         the row's position (state[0] + row % rows), k and v also appended to the caches kc and vc.
-enum { OUT = 0, ADD = 1, GLU = 2, ROPE = 3 };
-template <int EPI, int PARTS> __device__ void matvec_rows(
-        float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ W,
-        const float* __restrict__ nw, int R, int K, int N, int UPB, const int* __restrict__ state,
-        const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc,
-        float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {
-    constexpr bool NORM = EPI != ADD;
-    extern __shared__ __align__(16) float4 sm4[];         // [nu][2][K4] W's rows, [K4] nw, [<= 8][K4] x'
-    __shared__ float red[2][8][8];                        // [sum][task][row of the group]
-    __shared__ float rs[64];                              // each row's rstd
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K4 = K >> 2, U = N / 2, half = hd / 2;
-    const int u0 = blockIdx.x * UPB, nu = min(UPB, U - u0);
-    auto cols = [&](int u, int& c1, int& c2) {
-        if (EPI == ROPE) { c1 = (u / half) * hd + u % half; c2 = c1 + half; }
-        else { c1 = u; c2 = u + U; }
-    };
-    float4* ws = sm4;
-    float4* nws = ws + UPB * 2 * K4;                      // (NORM) the norm's weights
-    float4* xs = nws + (NORM ? K4 : 0);
-    for (int i = threadIdx.x; i < nu * 2 * K4; i += blockDim.x) {
-        const int u = i / (2 * K4), k = i % K4;
-        int c1, c2;
-        cols(u0 + u, c1, c2);
-        fb_cp16(ws + i, W + (i64)((i / K4) & 1 ? c2 : c1) * K + 4 * k, 16);
-    }
-    if (NORM) for (int k = threadIdx.x; k < K4; k += blockDim.x) fb_cp16(nws + k, nw + 4 * k, 16);
-    fb_commit();
-    dep_trigger();
-    dep_wait();
-    if (NORM) {                  // the same sums, in the same order, in every block; rows 0..7 kept raw in xs
-        for (int r = warp; r < R; r += 8) {
-            const float4* xr = reinterpret_cast<const float4*>(x + (i64)r * K);
-            float ss = 0.f;
-            for (int k = lane; k < K4; k += 32) {
-                const float4 v = xr[k];
-                if (r < 8) xs[r * K4 + k] = v;
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + 1e-5f);
-        }
-    }
-    fb_wait<0>();
-    __syncthreads();
-    auto epilogue = [&](int r, int u, float s1, float s2) {
-        int a, c;
-        cols(u, a, c);
-        float* o = out + (i64)r * (EPI == GLU ? U : N);
-        if (EPI == OUT) { o[a] = s1; o[c] = s2; }
-        if (EPI == ADD) { o[a] += s1; o[c] += s2; }
-        if (EPI == GLU) o[u] = s1 / (1.f + expf(-s1)) * s2;
-        if (EPI == ROPE)
-            rope_append(s1, s2, o, u / half, u % half, r / rows, state[0] + r % rows, cosv, sinv, kc, vc, Hq, Hkv, hd,
-                        ctx);
-    };
-    for (int r0 = 0; r0 < R; r0 += 8) {
-        const int nr = min(8, R - r0);
-        for (int i = threadIdx.x; i < nr * K4; i += blockDim.x) {     // x' of rows r0 .. r0 + nr - 1
-            const int r = i / K4, k = i % K4;
-            float4 v = r0 == 0 && NORM ? xs[i] : reinterpret_cast<const float4*>(x + (i64)(r0 + r) * K)[k];
-            if (NORM) {
-                const float s = rs[r0 + r];
-                const float4 g = nws[k];
-                v = make_float4(v.x * s * g.x, v.y * s * g.y, v.z * s * g.z, v.w * s * g.w);
-            }
-            xs[i] = v;
-        }
-        __syncthreads();
-        for (int task = warp; task < nu * PARTS; task += 8) {
-            const int u = task / PARTS, part = task % PARTS;
-            const float4* w1 = ws + 2 * u * K4;
-            const float4* w2 = w1 + K4;
-            float a1[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, a2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll 2
-            for (int k = part * 32 + lane; k < K4; k += 32 * PARTS) {
-                const float4 uu = w1[k], vv = w2[k];
-#pragma unroll
-                for (int r = 0; r < 8; r++) {
-                    if (r < nr) {
-                        const float4 xv = xs[r * K4 + k];
-                        a1[r] += uu.x * xv.x + uu.y * xv.y + uu.z * xv.z + uu.w * xv.w;
-                        a2[r] += vv.x * xv.x + vv.y * xv.y + vv.z * xv.z + vv.w * xv.w;
-                    }
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < 8; r++) {
-                if (r < nr) {                             // the same for the whole warp
-                    const float s1 = warp_sum(a1[r]), s2 = warp_sum(a2[r]);
-                    if (PARTS == 1 && lane == 0) epilogue(r0 + r, u0 + u, s1, s2);
-                    if (PARTS > 1 && lane == 0) { red[0][task][r] = s1; red[1][task][r] = s2; }
-                }
-            }
-        }
-        __syncthreads();                                  // xs is rewritten next; red is complete
-        if (PARTS > 1 && threadIdx.x < 8 * nu) {          // nu * PARTS <= 8 tasks: one a warp
-            const int u = threadIdx.x >> 3, r = threadIdx.x & 7;
-            if (r < nr) {
-                float s1 = red[0][u * PARTS][r], s2 = red[1][u * PARTS][r];
-                for (int q = 1; q < PARTS; q++) { s1 += red[0][u * PARTS + q][r]; s2 += red[1][u * PARTS + q][r]; }
-                epilogue(r0 + r, u0 + u, s1, s2);
-            }
-        }
-    }
-}
-// (value, id) pairs: the larger value first, the smaller id on a tie (numpy's first argmax)
-__device__ __forceinline__ bool before(float a, int ai, float b, int bi) { return a > b || (a == b && ai < bi); }
-__device__ void block_argmax(float& v, int& i) {          // every thread gets the block's first argmax
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (before(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-    if (lane == 0) { sv[w] = v; si[w] = i; }
-    __syncthreads();
-    v = lane < nw ? sv[lane] : NEG_INF;
-    i = lane < nw ? si[lane] : 0x7fffffff;
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (before(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-    __syncthreads();
-}
+"""
+ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
+ATTN_THREADS = 256                    # its block (the kernel's NT)
+ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks share the SMs (where
+                                      # attn_warps_body does not serve)
+ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which takes a step of many rows
+ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
+ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
+                                      # at 116-500 keys)
+CACHE_ATTN_SRC += "".join(   # the kernels attn_cached() picks: per head dim (and query heads a kv head)
+    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
+     f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
+     f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
+     f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
+    [f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) attn_warps_{hd}_g{gq}{sfx}(const float* '
+     f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
+     f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
+     f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
+     f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for sfx, to in (("", "float"), ("_bf16", "bf16"))]
+)
+
+
+def attn_warps(R, Hq, Hkv, hd):
+    """Whether attn_cached takes attn_warps_body: a step of many rows."""
+    return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
+
+
+def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
+    """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
+    rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
+    here."""
+    R, ctx = qkv.shape[0], kc.shape[2]
+    assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
+    if attn_warps(R, Hq, Hkv, hd):                          # many blocks that share the SMs
+        assert rope is None or rows == 1
+        cos, sin = rope or (NULL, NULL)
+        k = _k(f"attn_warps_{hd}_g{Hq // Hkv}" + ("_bf16" if out.dtype == BF else ""))
+        return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
+                      (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
+    assert rope is None
+    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
+                                                                         # that share SMs
+    smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
+    k = _k(f"attn_cached_{hd}" + ("_bf16" if out.dtype == BF else ""))   # bf16 out: the batched decode step's
+    shared_memory(k, smem)
+    launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
+           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)),
+           shared_mem=smem)
+
+
+# --- sampling: each stream's next id drawn on the device by pipeline.Sampling's rule, and the step's
+#     position advanced ---
+
+SAMPLING_SRC = r"""
 // block-wide exclusive prefix sum of one value per thread (in thread order); *total gets the sum
 __device__ float block_scan(float v, float* total) {
     __shared__ float ws[33];
@@ -3366,6 +3492,34 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         sn[tok] = 1;
     }
 }
+extern "C" __global__ void advance(int* state, int dpos, int dstep) {
+    dep_wait();
+    state[0] += dpos;
+    state[1] += dstep;
+}
+"""
+
+
+def sample_tokens(logits, seen, uni, state, tokens, sampling):
+    """One id per stream from logits (streams, >= V) by sampling's rule; see SAMPLING_SRC."""
+    streams, V = seen.shape
+    Vp = 1 << max(V - 1, 1).bit_length()
+    smem = (2 * Vp + V) * 4
+    k = _k("sample_tokens")
+    shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
+    launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
+                                    F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
+                                    F32(sampling.repetition_penalty)), shared_mem=smem)
+
+
+def advance(state, dpos, dstep):
+    """state[0] += dpos (the position), state[1] += dstep (the step)"""
+    launch(_k("advance"), (1,), (1,), (state, I32(dpos), I32(dstep)))
+
+
+# --- speculation: greedy speculative decoding's rounds decided on the device ---
+
+SPEC_SRC = r"""
 // greedy speculative decoding: the first argmax of each head at each row; one block per (row, head)
 extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V, int* __restrict__ out) {
     dep_trigger();
@@ -3376,11 +3530,6 @@ extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V,
     for (int v = threadIdx.x; v < V; v += blockDim.x) if (before(z[v], v, bv, bi)) { bv = z[v]; bi = v; }
     block_argmax(bv, bi);
     if (threadIdx.x == 0) out[blockIdx.x] = bi;
-}
-extern "C" __global__ void advance(int* state, int dpos, int dstep) {
-    dep_wait();
-    state[0] += dpos;
-    state[1] += dstep;
 }
 // A round of greedy speculative decoding (pl.speculative_decode's rule, drafts in a chain) decided on the
 // device, so that rounds replay without the host. The round's forward ran state[2 ..] = [z, d_1 .. d_K-1] at
@@ -3414,129 +3563,6 @@ extern "C" __global__ void spec_round(const int* __restrict__ am, int K, int* __
     spec[4] = produced + emit >= max_new || pos + 1 >= ctx;
 }
 """
-ATTN_CACHED_HD = (8, 32, 64, 128)     # head dims of the KV-cache attention (every config's)
-ATTN_THREADS = 256                    # its block (the kernel's NT)
-ATTN_BATCH_CH = 64                    # keys a chunk when many streams' blocks share the SMs (where
-                                      # attn_warps_body does not serve)
-ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which takes a step of many rows
-ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
-ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
-                                      # at 116-500 keys)
-MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in INFER_SRC's order
-INFER_SRC += "".join(   # the kernels the launchers pick: attention per head dim, matvec per epilogue and K split
-    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
-     f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
-     f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
-     f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
-    [f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) attn_warps_{hd}_g{gq}{sfx}(const float* '
-     f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
-     f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
-     f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
-     f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
-    [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
-     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
-     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
-     f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
-     f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
-     for parts in (1, 2, 4, 8) for e, epi in enumerate(MATVEC_EPI)])
-
-
-def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
-    R, ctx = qkv.shape[0], kc.shape[2]
-    _k("rope_store")(_blocks(R * (Hq + 2 * Hkv) * hd // 2), (256,), (qkv, kc, vc, cos, sin, state, I32(R), I32(rows),
-                                                                     I32(Hq), I32(Hkv), I32(hd), I32(ctx)))
-
-
-def attn_warps(R, Hq, Hkv, hd):
-    """Whether attn_cached takes attn_warps_body: a step of many rows."""
-    return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
-
-
-def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
-    """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
-    rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
-    here."""
-    R, ctx = qkv.shape[0], kc.shape[2]
-    assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
-    if attn_warps(R, Hq, Hkv, hd):                          # many blocks that share the SMs
-        assert rope is None or rows == 1
-        cos, sin = rope or (NULL, NULL)
-        k = _k(f"attn_warps_{hd}_g{Hq // Hkv}" + ("_bf16" if out.dtype == BF else ""))
-        return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
-                      (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
-    assert rope is None
-    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
-                                                                         # that share SMs
-    smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
-    k = _k(f"attn_cached_{hd}" + ("_bf16" if out.dtype == BF else ""))   # bf16 out: the batched decode step's
-    shared_memory(k, smem)
-    launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
-           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)),
-           shared_mem=smem)
-
-
-MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
-
-
-def sgemm_nt(C, A, W, beta=0.0):
-    """C (M, N) = A (M, K) @ W (N, K).T + beta * C in fp32 by _gemm_ex, which a CUDA graph can capture."""
-    (M, K), N = A.shape, W.shape[0]
-    assert C.shape == (M, N) and W.shape[1] == K and A.flags.c_contiguous and W.flags.c_contiguous
-    assert C.dtype == A.dtype == W.dtype == np.float32
-    _gemm_ex(1, 0, N, M, K, 1.0, W, K, A, K, beta, C, N, CUBLAS_COMPUTE_32F)
-
-
-MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks of consecutive kernels share an SM
-
-
-def matvec_plan(U, K, sms=None):
-    """(units a block, warps splitting a unit's K) for W's U units of two rows of K: the units spread over
-    the device's SMs, at most MATVEC_SMEM of W and 8 units a block (a unit a warp: with 10, two warps took
-    two and the rest waited, 7% of big's decode step); a block's 8 warps split each unit's K where it has
-    fewer than 8 units. A function of W's shape (and the device) alone: the sum order never depends on R."""
-    sms = sms or cp.cuda.Device().attributes["MultiProcessorCount"]
-    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K), 8))
-    parts = 1
-    while parts * 2 * upb <= 8 and K // 4 >= 32 * parts * 2:
-        parts *= 2
-    return upb, parts
-
-
-def matvec(out, x, W, epi="out", norm=None, rope=None):
-    """out = epi(x' @ W.T) for a decode step's R <= MATVEC_ROWS rows, x' = RMSNorm(x) * norm (every epi but
-    'add', whose x is an activation); see INFER_SRC: 'out' out (R, N) = the product, 'add' out += it, 'glu'
-    out (R, N/2) = silu(first half) * second half, 'rope' out = qkv, rotated, its k and v also into the
-    caches; rope = (kc, vc, cos, sin, state, rows, Hq, Hkv, hd)."""
-    (R, K), N = x.shape, W.shape[0]
-    assert (norm is None) == (epi == "add") and (rope is None) == (epi != "rope") and R <= MATVEC_ROWS
-    assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
-    assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
-    kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
-    upb, parts = matvec_plan(N // 2, K)
-    k = _k(f"matvec_{epi}_p{parts}")
-    smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
-    assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
-    shared_memory(k, smem)
-    launch(k, (-(-N // 2 // upb),), (256,), (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb),
-                                             state, cos, sin, kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd),
-                                             I32(kc.shape[2] if rope else 0)), shared_mem=smem)
-
-
-def sample_tokens(logits, seen, uni, state, tokens, sampling):
-    """One id per stream from logits (streams, >= V) by sampling's rule; see INFER_SRC."""
-    streams, V = seen.shape
-    Vp = 1 << max(V - 1, 1).bit_length()
-    smem = (2 * Vp + V) * 4
-    k = _k("sample_tokens")
-    shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
-    launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
-                                    F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
-                                    F32(sampling.repetition_penalty)), shared_mem=smem)
-
-
-def advance(state, dpos, dstep):
-    """state[0] += dpos (the position), state[1] += dstep (the step)"""
-    launch(_k("advance"), (1,), (1,), (state, I32(dpos), I32(dstep)))
 
 
 def argmax_heads(logits, V, out):
@@ -3546,7 +3572,7 @@ def argmax_heads(logits, V, out):
 
 def spec_round(am, K, state, tokens, spec, ctx, start=0, max_new=0):
     """A greedy speculative round decided on the device (or, start > 0, a generation's beginning); see
-    INFER_SRC."""
+    SPEC_SRC."""
     launch(_k("spec_round"), (1,), (1,), (am, I32(K), state, tokens, spec, I32(ctx), I32(start), I32(max_new)))
 
 
@@ -3908,8 +3934,8 @@ def cmd_infer(argv):
 
 # (every source is declared above: the module registry's table)
 SOURCES = {"embed": EMBED_SRC, "rmsnorm": RMSNORM_SRC, "rope": ROPE_SRC, "swiglu": SWIGLU_SRC, "xent": XENT_SRC,
-           "flash": FLASH_SRC, "flash_bf16": FLASH_BF16_SRC, "naive": NAIVE_SRC, "infer": INFER_SRC,
-           "optim": OPTIM_SRC}
+           "flash": FLASH_SRC, "flash_bf16": FLASH_BF16_SRC, "naive": NAIVE_SRC, "optim": OPTIM_SRC,
+           "matvec": MATVEC_SRC, "cache_attn": CACHE_ATTN_SRC, "sampling": SAMPLING_SRC, "spec": SPEC_SRC}
 
 
 # ----------------------------------------------------------------------------------------------------
