@@ -1,11 +1,16 @@
-"""Helpers the test files share (pytest puts this folder on sys.path first): whether a GPU is here, a runner
-for the engines' command lines, and the check of their one-line errors."""
+"""Helpers the test files share (pytest puts this folder on sys.path first): the `gpu` marker, which skips a
+test on a machine without enough GPUs, runners for the engines' command lines, the check of their one-line
+errors, and the small corpus, run and model that several files use."""
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import pipeline as pl
 
 ROOT = Path(__file__).resolve().parent        # the project folder
 
@@ -19,7 +24,15 @@ def gpu_count():
 
 
 GPUS = gpu_count()
-needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs CuPy and an NVIDIA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """@pytest.mark.gpu needs CuPy and one GPU, @pytest.mark.gpu(2) two: skipped on a machine with fewer."""
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = marker.args[0] if marker and marker.args else 1
+        if marker and GPUS < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs CuPy and {need} NVIDIA GPU{'s' * (need > 1)}"))
 
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")    # a run inherits no rank: env gives one
@@ -33,6 +46,10 @@ def run_engine(script, *args, env=None, timeout=900, input=None):
                           text=True, timeout=timeout, env=dict(base, PYTHONUNBUFFERED="1", **(env or {})), input=input)
 
 
+def run_cli(*args, stdin=None, env_extra=None, timeout=600):
+    return run_engine("nanoeuler.py", *args, env=env_extra, timeout=timeout, input=stdin)
+
+
 def run_gpu(*args, env=None, timeout=900):
     return run_engine("nanoeuler_cuda.py", *args, env=env, timeout=timeout)
 
@@ -44,7 +61,54 @@ def one_error_line(r, *words):
     return ok and all(str(w) in lines[0] for w in words)
 
 
+def assert_one_line_error(r, *words):
+    assert one_error_line(r, *words), r.stdout + r.stderr
+
+
 def no_cupy(folder):
     """The environment of a run where `import cupy` fails (a stand-in module in folder)."""
     (folder / "cupy.py").write_text("raise ImportError('no CUDA here (test)')\n")
     return {"PYTHONPATH": str(folder)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# a corpus, a one-step run and a model with known heads (the CPU engine's, the CLI's and the GPU's tests)
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small English text file and a private tokenizer cache."""
+    d = tmp_path_factory.mktemp("corpus")
+    text, _ = pl.default_corpus()
+    path = d / "corpus.txt"
+    path.write_text(text[:150_000], encoding="utf-8")
+    return path, {"NANOEULER_CACHE": str(d / "cache")}
+
+
+def train_cpu(out, corpus, *extra):
+    """A short run of nanoeuler.py train on the corpus fixture into out (batch 2 of 32 tokens), more flags in extra."""
+    path, env = corpus
+    return run_cli("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
+                   "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env)
+
+
+@pytest.fixture(scope="module")
+def one_step_ckpt(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("one_step")
+    r = train_cpu(out, corpus, "--steps", 1)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def shift_model(shifts, sharpness):
+    """A tiny model whose head k puts its mass on token (a + shifts[k]) % V after token a: the layers add
+    nothing (wo = w2 = 0), so the last hidden state is the current token's normalised embedding, and head
+    k's rows are the embeddings, permuted. sharpness scales the logits (large: nearly one-hot)."""
+    cfg = pl.Config(dim=32, n_heads=4, n_kv_heads=2, n_layers=2, ctx=64, vocab=40, ffn=64, n_mtp=len(shifts))
+    P = pl.Params.init(cfg, 5, np.float64)
+    E = P["tok_emb"]
+    E[:] = np.random.default_rng(5).standard_normal(E.shape)
+    for i in range(cfg.n_layers):
+        P[f"layers.{i}.wo"][:] = P[f"layers.{i}.w2"][:] = 0
+    for k, shift in enumerate(shifts):
+        P[f"heads.{k}"][:] = sharpness * np.roll(E, shift, axis=0) / math.sqrt(cfg.dim)
+    return P

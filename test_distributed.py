@@ -256,7 +256,6 @@ def test_cpu_engine_grad_accum_is_the_larger_batch(tmp_path):
 # ====================================================================================================
 # two GPUs
 
-needs_two = pytest.mark.skipif(GPUS < 2, reason="needs CuPy and two NVIDIA GPUs")
 FP32 = ["small", "--precision", "fp32", "--batch", 4, "--seq", 128, "--steps", 50, "--warmup", 5, "--lr", "3e-3",
         "--log-every", 1, "--eval-every", 1000, "--ckpt-every", 1000]
 
@@ -303,8 +302,7 @@ def fp32_runs(tmp_path_factory):
     return d
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_two_gpus_equal_one_gpu_with_grad_accum(fp32_runs):
     """2 GPUs x batch 4 and 1 GPU x batch 4 with --grad-accum 2: the same loss at every step and the same
     checkpoint, to 1e-5; the ranks started by hand (torchrun-style variables) too."""
@@ -318,8 +316,7 @@ def test_two_gpus_equal_one_gpu_with_grad_accum(fp32_runs):
         assert len(other) == len(one) == 50 and rel <= 1e-5 and diff <= 1e-5
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_resume_on_another_number_of_gpus(fp32_runs, tmp_path):
     """25 steps on 2 GPUs, then resumed on 1 GPU with --grad-accum 2 (the same global batch): the checkpoint of
     50 uninterrupted steps; and that checkpoint loads on the CPU engine's side (pipeline.load_checkpoint)."""
@@ -345,8 +342,7 @@ LONG = ["small", "--batch", 4, "--seq", 128, "--steps", 100000, "--log-every", 1
         "--ckpt-every", 20]
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_a_rank_killed_mid_run_stops_the_others(tmp_path):
     """kill -9 of one rank: under the launcher, and started by hand (rank 1, then rank 0 killed), the others end
     with one error line within 60 s, and the last checkpoint loads and resumes."""
@@ -380,8 +376,7 @@ def test_a_rank_killed_mid_run_stops_the_others(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_gpu_faults_give_one_error_line(tmp_path):
     have = GPUS
     r = run_gpu("train", "small", "--gpus", have + 1, "--out", tmp_path)
@@ -399,8 +394,7 @@ def test_gpu_faults_give_one_error_line(tmp_path):
         assert one_error_line(r, "cannot serve the rendezvous"), r.stderr
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_ctrl_c_stops_every_rank_with_a_checkpoint(tmp_path):
     """Ctrl-C to the launcher: every rank stops at the next progress line, rank 0 writes the checkpoint, exit 130."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler_cuda.py"), "train", *map(str, LONG),

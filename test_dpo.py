@@ -15,7 +15,7 @@ import pytest
 
 import bpe
 import gradcheck
-from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
+from conftest import ROOT, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -354,14 +354,12 @@ def test_gpu_dpo_mode_without_cupy_is_one_error_line(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_dpo_gradient_matches_the_cpu_engine():
     r = run_engine("nanoeuler_cuda.py", "gradcheck", "--dpo")
     assert r.returncode == 0 and "DPO gradient check: PASS" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_dpo_run_follows_the_cpu_run(ckpts, tmp_path):
     """The same run on both engines (fp32): the same log to float32 rounding, and a chat checkpoint."""
     args = ("--ckpt", ckpts / "chat.npz", "--data", ckpts / "prefs.jsonl", "--steps", 4, "--batch", 2, "--lr", 1e-3)

@@ -11,7 +11,7 @@ import pytest
 
 import bpe
 import evaluate
-from conftest import ROOT, needs_gpu, no_cupy, one_error_line, run_engine
+from conftest import ROOT, no_cupy, one_error_line, run_engine
 import nanoeuler as ne
 import pipeline as pl
 
@@ -195,7 +195,6 @@ def test_gpu_engine_eval_without_cupy_and_plot_without_a_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_eval_agrees_with_the_cpu_engine_item_for_item(model, tmp_path):
     import nanoeuler_cuda as nc
     P, tok = model

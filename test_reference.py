@@ -9,7 +9,7 @@ flat buffer, nothing of the engine's math imported), the rest is checked against
 
 Sections: reference model | reference optimiser and schedule | the model against the reference | training
 against the reference | schedule and init | data and SFT | sampling and generation | checkpoints |
-command-line mistakes | tokenizer.
+tokenizer. (Its command-line mistakes are checked in test_cli.py.)
 """
 import io
 import json
@@ -18,14 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import bpe
-from conftest import ROOT, run_engine
+from conftest import ROOT
 import nanoeuler as ne
 import pipeline as pl
 
@@ -604,122 +603,6 @@ def test_checkpoint_round_trip_resumes_the_same_run(tmp_path):
         trainer.step(x, y, 1e-3 * (s + 1))
         resumed.step(x2, y2, 1e-3 * (s + 1))
     assert np.array_equal(P.flat, P2.flat) and np.array_equal(trainer.opt.v.flat, resumed.opt.v.flat)
-
-
-# ====================================================================================================
-# command-line mistakes: each ends with exit code 1, no traceback and one `error:` line naming the problem.
-# (test_all.py checks the usage mistakes, the sampling flags, a missing, truncated or mis-shaped
-# checkpoint and text data that is missing, empty or binary; these are the other branches.) All run at once.
-
-def _save(path, cfg=TINY, tok=None, state=None, edit=None):
-    """A checkpoint of cfg at path; edit(arrays) may damage it before it is written back."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    pl.save_checkpoint(path, pl.Params.init(cfg, 0), tok or bpe.Tokenizer([]), state)
-    if edit:
-        with np.load(path) as z:
-            arrays = {k: z[k] for k in z.files}
-        edit(arrays)
-        np.savez(path, **arrays)
-    return path
-
-
-def _cli_cases(d):
-    """(name, argv, words the error line must hold); d is an empty folder for the files they need."""
-    tok = bpe.Tokenizer([])                                    # 257 ids
-    big = bpe.Tokenizer([(97, 97)] + [(256 + i, 97) for i in range(142)])   # 400 ids, more than tiny's 300
-    ids = lambda *v: np.array(v, "<u2").tobytes()
-    files = {"empty.bin": b"", "odd.bin": b"\x01\x00\x02", "high.bin": ids(5, 256, 257, 7),
-             "short.bin": ids(*range(40)), "big/data.bin": ids(1, 2, 3), "alone/data.bin": ids(1, 2, 3),
-             "bad/data.bin": ids(1, 2, 3), "bad/data.bpe": b"junk\n", "latin1.txt": "café".encode("latin-1"),
-             "a.txt": b"the cat sat on the mat. " * 40, "b.txt": b"a quick brown fox jumps. " * 40,
-             "sft/bad.json": b'[{"instruction": "a", ', "sft/latin1.json": '[{"é": 1}]'.encode("latin-1"),
-             "sft/dict.json": b'{"instruction": "a", "output": "b"}', "sft/empty.json": b"[]",
-             "sft/no_output.json": b'[{"instruction": "a", "input": ""}]',
-             "sft/number.json": b'[{"instruction": 1, "output": "b"}]',
-             "sft/one.json": b'[{"instruction": "Say hi.", "input": "", "output": "hi"}]',
-             "sft/good.json": b'[{"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say no.", "output": "no"}]',
-             "done/ckpt.npz": b"x", "sftdone/ckpt.npz": b"x"}
-    for name, data in files.items():
-        os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
-        with open(os.path.join(d, name), "wb") as f:
-            f.write(data)
-    for name in ("empty", "odd", "high", "short", "data"):
-        tok.save(os.path.join(d, f"{name}.bpe"))
-    big.save(os.path.join(d, "big", "tokenizer.bpe"))
-    os.makedirs(os.path.join(d, "sft", "folder.json"))
-    base = _save(os.path.join(d, "base", "ckpt.npz"), pl.Config(**{**pl.asdict(TINY), "ctx": 256}))  # a prompt fits
-    lacking = _save(os.path.join(d, "lacking.npz"), edit=lambda a: a.pop("layers.1.wq"))
-    nan = _save(os.path.join(d, "nan.npz"), edit=lambda a: a["layers.2.w2"].__setitem__((3, 4), np.nan))
-    bigtok = _save(os.path.join(d, "bigtok.npz"), tok=big)
-    badcfg = _save(os.path.join(d, "badcfg.npz"), edit=lambda a: a.__setitem__("config", np.array("{not json")))
-    run = dict(pl.TRAIN_DEFAULTS, config="tiny", steps=5, batch=2, seq=16, data=os.path.join(d, "a.txt"))
-    state = {"step": 1, "adam_m": pl.Params(TINY), "adam_v": pl.Params(TINY),
-             "data": np.random.default_rng(0).bit_generator.state, "train": run}
-    _save(os.path.join(d, "run", "ckpt.npz"), state=state)
-    j = lambda *p: os.path.join(d, *p)
-    train = lambda data, *more: ["train", "tiny", "--data", j(data), "--out", j("out_" + data.replace("/", "_")),
-                                 "--steps", 1, "--seq", 16, *more]
-    sft = lambda data, *more: ["sft", "--ckpt", base, "--data", j("sft", data), "--out", j("chat"), "--steps", 1, *more]
-    return [
-        ("token file missing", train("missing.bin"), ["token file not found", "missing.bin"]),
-        ("token file empty", train("empty.bin"), ["token file is empty", "empty.bin"]),
-        ("token file odd-sized", train("odd.bin"), ["odd number of bytes", "odd.bin"]),
-        ("token id >= vocab", train("high.bin"), ["holds id 257", "outside the vocabulary of 257"]),
-        ("no tokenizer beside", train("alone/data.bin"), ["no tokenizer for", "data.bpe or tokenizer.bpe"]),
-        ("bad tokenizer beside", train("bad/data.bin"), ["bad tokenizer file", "not a tokenizer"]),
-        ("tokenizer > vocab", train("big/data.bin"), ["400 token ids", "config tiny's vocabulary of 300"]),
-        ("token file too short", train("short.bin", "--seq", 32), ["split has", "too few for windows of 32"]),
-        ("text not UTF-8", train("latin1.txt"), ["not UTF-8", "latin1.txt"]),
-        ("train over a checkpoint", ["train", "tiny", "--out", j("done"), "--steps", 1], ["ckpt.npz exists", "--force"]),
-        ("train --steps 0", ["train", "tiny", "--steps", 0, "--out", j("o1")], ["--steps 0", "at least 1"]),
-        ("train --warmup -1", ["train", "tiny", "--warmup", -1, "--out", j("o3")], ["--warmup at least 0"]),
-        ("train --seq > ctx", ["train", "tiny", "--seq", 65, "--out", j("o4")], ["--seq 65", "context of 64"]),
-        ("two configs", ["train", "tiny", "--config", "small", "--out", j("o5")], ["two configs", "tiny", "small"]),
-        ("bench --seq > ctx", ["bench", "tiny", "--seq", 65], ["--seq 65", "context of 64"]),
-        ("resume nothing", ["resume", "--out", j("nothing")], ["checkpoint not found"]),
-        ("resume a chat checkpoint", ["resume", "--out", j("base")], ["no training state"]),
-        ("resume other tokenizer", ["resume", "--out", j("run"), "--data", j("b.txt")], ["tokenizer differs"]),
-        ("checkpoint lacks a tensor", ["sample", "--ckpt", lacking], ["lacks tensor layers.1.wq"]),
-        ("checkpoint holds NaN", ["sample", "--ckpt", nan], ["NaN", "nan.npz"]),
-        ("checkpoint tokenizer > vocab", ["sample", "--ckpt", bigtok], ["tokenizer has 400 tokens", "300"]),
-        ("checkpoint config damaged", ["sample", "--ckpt", badcfg], ["corrupt", "JSONDecodeError"]),
-        ("empty prompt", ["sample", "--ckpt", base, "--prompt", ""], ["the prompt is empty"]),
-        ("sft data missing", sft("missing.json"), ["SFT data not found"]),
-        ("sft data folder", sft("folder.json"), ["SFT data", "is a folder"]),
-        ("sft bad JSON", sft("bad.json"), ["not valid JSON"]),
-        ("sft not UTF-8", sft("latin1.json"), ["not valid JSON"]),
-        *[(f"sft {n}", sft(n + ".json"), ["must be a non-empty JSON list"])
-          for n in ("dict", "empty", "no_output", "number")],
-        ("sft one example", sft("one.json"), ["holds 1 example", "at least 2"]),
-        ("sft nothing fits", sft("good.json", "--seq", 8), ["no SFT example fits the context of 8"]),
-        ("sft --lr 0", sft("good.json", "--lr", 0), ["--lr 0"]),
-        ("sft --steps 0", sft("good.json", "--steps", 0), ["--steps 0"]),
-        ("sft over a checkpoint", ["sft", "--ckpt", base, "--data", j("sft", "good.json"), "--out", j("sftdone"),
-                                   "--steps", 1], ["ckpt.npz exists", "--force"]),
-    ]
-
-
-@pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("cli"))
-
-    def run(case):
-        name, argv, words = case
-        return name, (run_engine("nanoeuler.py", *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
-                                 timeout=300), words)
-    with ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(run, _cli_cases(d)))
-
-
-def test_every_cli_mistake_gets_one_line(cli_results):
-    failures = []
-    for name, (r, words) in cli_results.items():
-        lines = [l for l in r.stderr.splitlines() if l.strip()]
-        ok = (r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error: ")
-              and all(w in lines[0] for w in words))
-        if not ok:
-            failures.append(f"{name}: rc={r.returncode} words={words}\n{r.stderr[-600:]}")
-    assert not failures, "\n".join(failures)
 
 
 # ====================================================================================================

@@ -2,9 +2,10 @@
 test_serve.py -- serve.py (issue 17) with real clients. The openai package against a live server: chat and
 completions, streamed and not, against the engine's own greedy ids on the SFT template (turns kept, the oldest
 dropped), seeds, stop strings, a base checkpoint; 50 concurrent requests, none lost or mixed up; a client that
-leaves frees its place; every 4xx answer in OpenAI's error shape; the CLI's one-line errors and Ctrl-C; the chat
-page in headless Chromium (Playwright), its screenshot kept in test_artifacts/. openai, playwright and chromium
-skip when missing; make setup-test installs them, so CI runs them. A GPU test runs the GPU engine's server.
+leaves frees its place; every 4xx answer in OpenAI's error shape; the CLI's one-line errors and Ctrl-C, and
+its per-request speculation (as sample decides); the chat page in headless Chromium (Playwright), its
+screenshot kept in test_artifacts/. openai, playwright and chromium skip when missing; make setup-test installs
+them, so CI runs them. A GPU test runs the GPU engine's server.
 """
 import concurrent.futures
 import dataclasses
@@ -25,7 +26,7 @@ import pytest
 
 import bpe
 import nanoeuler as ne
-from conftest import ROOT, needs_gpu
+from conftest import ROOT
 import pipeline as pl
 import serve
 
@@ -432,12 +433,22 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
     assert rc == 0 and "[stopped]" in out and "done /v1/completions" in err
 
 
+def test_serve_speculates_per_request_as_sample_does(monkeypatch):
+    """serve's default: each request's sampling decides (greedy on tiny: on; sampling: off); the flags force it."""
+    P, seen = pl.Params.init(pl.CONFIGS["tiny"]), []
+    monkeypatch.setattr(ne, "generate", lambda *args, speculative, **kw: seen.append(speculative))
+    for flags in ([], ["--no-speculative"], ["--speculative"]):
+        gen = ne.serve_generate(P, ne.parser().parse_args(["serve", *flags]))
+        gen([1], 3, pl.Sampling(0), None)
+        gen([1], 3, pl.Sampling(0.7), None)
+    assert seen == [True, False, False, False, True, True]
+
+
 # ----------------------------------------------------------------------------------------------------
 # the GPU engine behind the same server (skips without a GPU)
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_engine_serves(model):
     p, host, port = _serve_process("nanoeuler_cuda.py", model[2] / "chat.npz")
     try:

@@ -1,0 +1,321 @@
+"""
+test_cli.py -- the command lines of both engines (nanoeuler.py, nanoeuler_cuda.py, and gradcheck.py, bpe.py
+where they share a check): usage mistakes, help, names, and one-line errors.
+
+The rule held here: a user's mistake ends with exit code 1, no traceback and one `error:` line that names the
+problem (the words each test asserts); only main() ends the process; every flag has help with its default;
+every config name works in every mode of both engines. No GPU needed. The modes with files of their own
+(dpo, serve, eval, export, the launcher, bpe.py's commands) check their own mistakes there.
+"""
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import bpe
+from conftest import ROOT, assert_one_line_error, no_cupy, one_error_line, run_cli, run_engine, run_gpu
+import nanoeuler as ne
+import pipeline as pl
+import nanoeuler_cuda as nc
+
+
+# ----------------------------------------------------------------------------------------------------
+# library code raises, main() exits; help and names
+
+PRODUCT = ("nanoeuler.py", "nanoeuler_cuda.py", "pipeline.py", "bpe.py", "gradcheck.py", "evaluate.py", "export.py",
+           "serve.py", "distributed.py")
+
+
+def test_no_sys_exit_below_main():
+    """Library code raises UserError; only main() (or the __main__ guard) ends the process."""
+    import ast
+    for name in PRODUCT:
+        tree = ast.parse((ROOT / name).read_text())
+        allowed = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "main" or \
+                    isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                allowed |= {id(n) for n in ast.walk(node)}
+        exits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and ast.unparse(n.func) in ("sys.exit", "exit", "die") and id(n) not in allowed]
+        assert not exits, f"{name}: sys.exit outside main() at lines {exits}"
+
+
+def test_cpu_engine_without_numba_says_so_in_one_line():
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; sys.argv = ['x', 'bench'];"
+                        "import runpy; runpy.run_path('nanoeuler.py', run_name='__main__')"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert_one_line_error(r, "numba is not installed", "pip install")
+
+
+def test_every_config_name_in_every_mode(monkeypatch):
+    """One name per config, as a word or --config, in the CPU modes and the GPU modes alike."""
+    p = ne.parser()
+    for name in pl.CONFIGS:
+        for mode in ("train", "resume", "bench"):
+            for args in ([mode, name], [mode, "--config", name]):
+                assert pl.config_arg(p.parse_args(args)) == name
+    with pytest.raises(pl.UserError, match="unknown config 'big_cpu'.*medium"):
+        pl.config_arg(p.parse_args(["train", "big_cpu"]))
+
+    def stop():
+        raise pl.UserError("parsed")
+    monkeypatch.setattr(nc, "gpu", stop)
+    for name in pl.CONFIGS:
+        for mode in ("train", "t", "resume", "tr", "bench"):
+            with pytest.raises(pl.UserError, match="parsed"):
+                nc.MODES[nc.LETTERS.get(mode, mode)]([name] if mode != "bench" else ["--config", name])
+
+
+def _parsers(monkeypatch):
+    """Every argparse parser of both engines' modes, caught as each mode builds it."""
+    class Caught(Exception):
+        pass
+    found = {}
+
+    def catch(self, args=None, namespace=None):
+        found[self.prog] = self
+        raise Caught
+    monkeypatch.setattr(pl.Parser, "parse_args", catch)
+    for mode in nc.MODES:
+        with pytest.raises(Caught):
+            nc.MODES[mode]([])
+    top = ne.parser()
+    found.update({sp.prog: sp for a in top._actions if isinstance(a, pl.argparse._SubParsersAction)
+                  for sp in a.choices.values()})
+    return found
+
+
+def test_every_flag_has_help_with_its_default(monkeypatch):
+    parsers = _parsers(monkeypatch)
+    assert len(parsers) >= 14
+    for prog, p in parsers.items():
+        assert p.description, prog
+        for a in p._actions:
+            if not a.option_strings or a.nargs == 0 or a.dest in ("config_flag", "prompt_flag", "stop_after"):
+                continue                             # switches; the flag form of a word documented beside it
+            assert a.help and "default" in a.help, (prog, a.option_strings)
+
+
+def test_every_cli_answers_help():
+    for script, args in (("nanoeuler.py", []), ("nanoeuler.py", ["train"]), ("nanoeuler_cuda.py", []),
+                         ("nanoeuler_cuda.py", ["train"]), ("nanoeuler_cuda.py", ["t"]), ("bpe.py", []),
+                         ("bpe.py", ["encode"]), ("gradcheck.py", [])):
+        r = run_engine(script, *args, "--help")
+        assert r.returncode == 0 and "usage" in r.stdout.lower() + r.stderr.lower() or "Modes" in r.stdout, \
+            (script, args, r.stdout, r.stderr)
+    r = run_engine("nanoeuler_cuda.py", "--help")
+    assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
+
+
+def test_readme_commands_are_python3():
+    text = (ROOT / "README.md").read_text()
+    assert not re.findall(r"(?m)^\s*python (?!3)", text)
+    assert "CONTRACT.md" in text
+
+
+def test_outputs_are_ignored_by_git():
+    r = subprocess.run(["git", "check-ignore", "out/ckpt.npz", "out_chat/ckpt.npz", "data/pretrain.bpe",
+                        "data/pretrain.bin"], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert len(r.stdout.split()) == 4, r.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# the CPU engine's mistakes: usage, sampling flags, missing, empty or binary data, bad checkpoints
+
+def test_usage_mistakes_get_one_line(tmp_path):
+    assert_one_line_error(run_cli("train", "--stpes", 5), "--stpes", "did you mean --steps")
+    assert_one_line_error(run_cli("train", "5"), "unknown config '5'")
+    assert_one_line_error(run_engine("bpe.py", "train"), "required")
+    assert_one_line_error(run_engine("gradcheck.py", "nope"), "invalid choice")
+    assert_one_line_error(run_cli("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
+    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
+    assert_one_line_error(run_cli("sample", "--ckpt", ROOT / "README.md"), "not a NanoEuler checkpoint")
+    assert "allow_pickle" not in run_cli("sample", "--ckpt", ROOT / "README.md").stderr
+
+
+def test_bad_input_gets_one_line(tmp_path, corpus):
+    assert_one_line_error(run_cli("fly"), "invalid choice")
+    assert_one_line_error(run_cli("train", "--bogus"), "unrecognized")
+    assert_one_line_error(run_cli("bench", env_extra={"NANOEULER_THREADS": "two"}), "NANOEULER_THREADS")
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "missing.txt", "--out", tmp_path / "o"), "not found")
+    (tmp_path / "empty.txt").write_text("")
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o"), "empty")
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 10)
+    assert_one_line_error(run_cli("train", "--data", tmp_path / "bin.txt", "--out", tmp_path / "o"), "not text")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    (tmp_path / "odd.bpe").write_text("x")
+    r = run_cli("train", "--data", tmp_path / "odd.bin", "--out", tmp_path / "o")
+    assert_one_line_error(r)
+    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path / "none.npz"), "not found")
+
+
+def test_sampling_flags_are_checked(one_step_ckpt):
+    ck = one_step_ckpt
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--temperature", -1), "--temperature -1")
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--tokens", -5), "--tokens -5")
+    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--top-k", -2), "--top-k -2")
+    assert_one_line_error(run_cli("chat", "--ckpt", ck, "--temperature", -1, stdin="hi\n"), "--temperature")
+    r = run_cli("sample", "--ckpt", ck, "--tokens", 100000, "--prompt", "The", "--temperature", 0)
+    assert r.returncode == 0 and "the context of 512 tokens is full" in r.stderr, r.stderr   # a run folder works
+
+
+def test_a_bin_whose_tokenizer_outgrows_the_config_names_one_that_fits(tmp_path, corpus):
+    """make data's 4096-id .bin with the default config (vocab 512) used to end in an IndexError."""
+    text = corpus[0].read_text()[:60_000]
+    tok = bpe.Tokenizer.train(text, 700)
+    tok.save(str(tmp_path / "d.bpe"))
+    np.array(tok.encode(text), "<u2").tofile(tmp_path / "d.bin")
+    r = run_cli("train", "--data", tmp_path / "d.bin", "--out", tmp_path / "o")
+    assert_one_line_error(r, "700 token ids", "small", "medium")
+    r = run_cli("train", "medium", "--data", tmp_path / "d.bin", "--out", tmp_path / "o", "--steps", 1, "--batch", 1,
+                "--seq", 32, "--sample-every", 0)
+    assert r.returncode == 0 and "10,490,112 parameters" in r.stdout, r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# the CPU engine's other branches: token files, tokenizers, runs, checkpoints, SFT data. All run at once.
+
+TINY = pl.CONFIGS["tiny"]
+
+
+def _save(path, cfg=TINY, tok=None, state=None, edit=None):
+    """A checkpoint of cfg at path; edit(arrays) may damage it before it is written back."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pl.save_checkpoint(path, pl.Params.init(cfg, 0), tok or bpe.Tokenizer([]), state)
+    if edit:
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        edit(arrays)
+        np.savez(path, **arrays)
+    return path
+
+
+def _cli_cases(d):
+    """(name, argv, words the error line must hold); d is an empty folder for the files they need."""
+    tok = bpe.Tokenizer([])                                    # 257 ids
+    big = bpe.Tokenizer([(97, 97)] + [(256 + i, 97) for i in range(142)])   # 400 ids, more than tiny's 300
+    ids = lambda *v: np.array(v, "<u2").tobytes()
+    files = {"empty.bin": b"", "odd.bin": b"\x01\x00\x02", "high.bin": ids(5, 256, 257, 7),
+             "short.bin": ids(*range(40)), "big/data.bin": ids(1, 2, 3), "alone/data.bin": ids(1, 2, 3),
+             "bad/data.bin": ids(1, 2, 3), "bad/data.bpe": b"junk\n", "latin1.txt": "café".encode("latin-1"),
+             "a.txt": b"the cat sat on the mat. " * 40, "b.txt": b"a quick brown fox jumps. " * 40,
+             "sft/bad.json": b'[{"instruction": "a", ', "sft/latin1.json": '[{"é": 1}]'.encode("latin-1"),
+             "sft/dict.json": b'{"instruction": "a", "output": "b"}', "sft/empty.json": b"[]",
+             "sft/no_output.json": b'[{"instruction": "a", "input": ""}]',
+             "sft/number.json": b'[{"instruction": 1, "output": "b"}]',
+             "sft/one.json": b'[{"instruction": "Say hi.", "input": "", "output": "hi"}]',
+             "sft/good.json": b'[{"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say no.", "output": "no"}]',
+             "done/ckpt.npz": b"x", "sftdone/ckpt.npz": b"x"}
+    for name, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+    for name in ("empty", "odd", "high", "short", "data"):
+        tok.save(os.path.join(d, f"{name}.bpe"))
+    big.save(os.path.join(d, "big", "tokenizer.bpe"))
+    os.makedirs(os.path.join(d, "sft", "folder.json"))
+    base = _save(os.path.join(d, "base", "ckpt.npz"), pl.Config(**{**pl.asdict(TINY), "ctx": 256}))  # a prompt fits
+    lacking = _save(os.path.join(d, "lacking.npz"), edit=lambda a: a.pop("layers.1.wq"))
+    nan = _save(os.path.join(d, "nan.npz"), edit=lambda a: a["layers.2.w2"].__setitem__((3, 4), np.nan))
+    bigtok = _save(os.path.join(d, "bigtok.npz"), tok=big)
+    badcfg = _save(os.path.join(d, "badcfg.npz"), edit=lambda a: a.__setitem__("config", np.array("{not json")))
+    run = dict(pl.TRAIN_DEFAULTS, config="tiny", steps=5, batch=2, seq=16, data=os.path.join(d, "a.txt"))
+    state = {"step": 1, "adam_m": pl.Params(TINY), "adam_v": pl.Params(TINY),
+             "data": np.random.default_rng(0).bit_generator.state, "train": run}
+    _save(os.path.join(d, "run", "ckpt.npz"), state=state)
+    j = lambda *p: os.path.join(d, *p)
+    train = lambda data, *more: ["train", "tiny", "--data", j(data), "--out", j("out_" + data.replace("/", "_")),
+                                 "--steps", 1, "--seq", 16, *more]
+    sft = lambda data, *more: ["sft", "--ckpt", base, "--data", j("sft", data), "--out", j("chat"), "--steps", 1, *more]
+    return [
+        ("token file missing", train("missing.bin"), ["token file not found", "missing.bin"]),
+        ("token file empty", train("empty.bin"), ["token file is empty", "empty.bin"]),
+        ("token file odd-sized", train("odd.bin"), ["odd number of bytes", "odd.bin"]),
+        ("token id >= vocab", train("high.bin"), ["holds id 257", "outside the vocabulary of 257"]),
+        ("no tokenizer beside", train("alone/data.bin"), ["no tokenizer for", "data.bpe or tokenizer.bpe"]),
+        ("bad tokenizer beside", train("bad/data.bin"), ["bad tokenizer file", "not a tokenizer"]),
+        ("tokenizer > vocab", train("big/data.bin"), ["400 token ids", "config tiny's vocabulary of 300"]),
+        ("token file too short", train("short.bin", "--seq", 32), ["split has", "too few for windows of 32"]),
+        ("text not UTF-8", train("latin1.txt"), ["not UTF-8", "latin1.txt"]),
+        ("train over a checkpoint", ["train", "tiny", "--out", j("done"), "--steps", 1], ["ckpt.npz exists", "--force"]),
+        ("train --steps 0", ["train", "tiny", "--steps", 0, "--out", j("o1")], ["--steps 0", "at least 1"]),
+        ("train --warmup -1", ["train", "tiny", "--warmup", -1, "--out", j("o3")], ["--warmup at least 0"]),
+        ("train --seq > ctx", ["train", "tiny", "--seq", 65, "--out", j("o4")], ["--seq 65", "context of 64"]),
+        ("two configs", ["train", "tiny", "--config", "small", "--out", j("o5")], ["two configs", "tiny", "small"]),
+        ("bench --seq > ctx", ["bench", "tiny", "--seq", 65], ["--seq 65", "context of 64"]),
+        ("resume nothing", ["resume", "--out", j("nothing")], ["checkpoint not found"]),
+        ("resume a chat checkpoint", ["resume", "--out", j("base")], ["no training state"]),
+        ("resume other tokenizer", ["resume", "--out", j("run"), "--data", j("b.txt")], ["tokenizer differs"]),
+        ("checkpoint lacks a tensor", ["sample", "--ckpt", lacking], ["lacks tensor layers.1.wq"]),
+        ("checkpoint holds NaN", ["sample", "--ckpt", nan], ["NaN", "nan.npz"]),
+        ("checkpoint tokenizer > vocab", ["sample", "--ckpt", bigtok], ["tokenizer has 400 tokens", "300"]),
+        ("checkpoint config damaged", ["sample", "--ckpt", badcfg], ["corrupt", "JSONDecodeError"]),
+        ("empty prompt", ["sample", "--ckpt", base, "--prompt", ""], ["the prompt is empty"]),
+        ("sft data missing", sft("missing.json"), ["SFT data not found"]),
+        ("sft data folder", sft("folder.json"), ["SFT data", "is a folder"]),
+        ("sft bad JSON", sft("bad.json"), ["not valid JSON"]),
+        ("sft not UTF-8", sft("latin1.json"), ["not valid JSON"]),
+        *[(f"sft {n}", sft(n + ".json"), ["must be a non-empty JSON list"])
+          for n in ("dict", "empty", "no_output", "number")],
+        ("sft one example", sft("one.json"), ["holds 1 example", "at least 2"]),
+        ("sft nothing fits", sft("good.json", "--seq", 8), ["no SFT example fits the context of 8"]),
+        ("sft --lr 0", sft("good.json", "--lr", 0), ["--lr 0"]),
+        ("sft --steps 0", sft("good.json", "--steps", 0), ["--steps 0"]),
+        ("sft over a checkpoint", ["sft", "--ckpt", base, "--data", j("sft", "good.json"), "--out", j("sftdone"),
+                                   "--steps", 1], ["ckpt.npz exists", "--force"]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cli"))
+
+    def run(case):
+        name, argv, words = case
+        return name, (run_engine("nanoeuler.py", *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
+                                 timeout=300), words)
+    with ThreadPoolExecutor(4) as pool:
+        return dict(pool.map(run, _cli_cases(d)))
+
+
+def test_every_cli_mistake_gets_one_line(cli_results):
+    failures = []
+    for name, (r, words) in cli_results.items():
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        ok = (r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1 and lines[0].startswith("error: ")
+              and all(w in lines[0] for w in words))
+        if not ok:
+            failures.append(f"{name}: rc={r.returncode} words={words}\n{r.stderr[-600:]}")
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU engine's mistakes (no GPU needed)
+
+def test_unknown_mode_and_flag_give_one_line():
+    assert one_error_line(run_gpu("zz"))
+    assert one_error_line(run_gpu("g", "--no-such-flag"))
+    assert one_error_line(run_gpu("t", "--steps", "many"))
+
+
+def test_unknown_precision_gives_one_line():
+    for args in (["t", "--precision", "fp8"], ["s", "--precision", "fp16"], ["g", "--precision", "tf32"],
+                 ["bench", "--precision", "bf16,fp8"]):
+        r = run_gpu(*args)
+        assert one_error_line(r) and "fp" in r.stderr, (args, r.stderr)
+
+
+def test_without_cupy_every_mode_says_so(tmp_path):
+    """A CuPy that cannot be imported: each mode ends with one line and a non-zero exit."""
+    env = no_cupy(tmp_path)
+    for args in ([], ["g"], ["t", "--steps", "1"], ["tr"], ["i", "It was"], ["s"], ["c"], ["bench"]):
+        r = run_gpu(*args, env=env)
+        assert one_error_line(r), (args, r.stdout, r.stderr)
+        assert "CuPy" in r.stderr

@@ -1,0 +1,529 @@
+"""
+test_cpu_engine.py -- the CPU engine (nanoeuler.py, on pipeline.py): the model's shapes and numerics, its
+gradients, sampling and speculative decoding, checkpoints, training and bit-exact resume, SFT and chat.
+
+Authorities: CONTRACT.md (configs, parameter layout, checkpoint file, SFT template); float64 finite
+differences (gradcheck.py), with broken backwards it must catch; plain decoding, to the bit, for speculative
+decoding, and the exact joint law (chi-square) for speculative sampling. test_reference.py holds the same
+engine to references written apart from it; test_cli.py checks its usage mistakes.
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import bpe
+import gradcheck
+from conftest import (ROOT, assert_one_line_error, run_cli, run_engine, shift_model as _shift_model,
+                      train_cpu as _train)
+import nanoeuler as ne
+import pipeline as pl
+
+
+# ----------------------------------------------------------------------------------------------------
+# the model: configs, the parameter buffer, targets, schedule, attention
+
+def test_configs_match_spec():
+    assert pl.num_params(pl.CONFIGS["small"]) == 1_049_728
+    assert pl.num_params(pl.CONFIGS["big"]) == 116_417_280
+    assert 9e6 < pl.num_params(pl.CONFIGS["medium"]) < 12e6
+    for cfg in pl.CONFIGS.values():                   # F = 8/3 D rounded up to a multiple of 128
+        assert cfg.ffn == -(-8 * cfg.dim // 3 // 128) * 128 or cfg is pl.CONFIGS["tiny"]
+
+
+def test_params_are_views_of_one_buffer():
+    cfg = pl.CONFIGS["tiny"]
+    P = pl.Params.init(cfg, 0)
+    names = [n for n, _ in pl.param_shapes(cfg)]
+    assert names[:3] == ["tok_emb", "layers.0.attn_norm", "layers.0.wq"] and names[-1] == "heads.2"
+    assert P["layers.1.wk"].shape == (cfg.n_kv_heads * cfg.head_dim, cfg.dim)
+    P["layers.1.wk"][0, 0] = 123.0
+    assert 123.0 in P.flat                            # a view, not a copy
+    qkv = P.rows("layers.1.wq", "layers.1.wv")
+    assert qkv.shape == ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
+    assert np.shares_memory(qkv, P.flat)
+    assert np.all(P["norm"] == 1) and abs(P["layers.0.wo"].std() - 0.02 / np.sqrt(2 * cfg.n_layers)) < 2e-3
+
+
+def test_mtp_targets_shift_and_mask():
+    y = np.array([[1, 2, 3, 4], [5, -1, 7, 8]], np.int32)
+    t = pl.mtp_targets(y, 3)
+    assert t[0].tolist() == y.tolist()
+    assert t[1].tolist() == [[2, 3, 4, -1], [-1, 7, 8, -1]]
+    assert t[2].tolist() == [[3, 4, -1, -1], [7, 8, -1, -1]]
+
+
+def test_lr_schedule_warmup_then_cosine_to_ten_percent():
+    lrs = [pl.lr_at(s, 1000, 1.0, 100) for s in range(1000)]
+    assert lrs[0] == pytest.approx(0.01) and lrs[99] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
+    assert pl.lr_at(1000, 1000, 1.0, 100) == pytest.approx(0.1)
+
+
+def test_attention_causal_chunks_change_nothing():
+    rng = np.random.default_rng(0)
+    B, T = 2, 130
+    q, k, v = rng.standard_normal((B * T, 4, 8)), rng.standard_normal((B * T, 2, 8)), rng.standard_normal((B * T, 2, 8))
+    dout = rng.standard_normal((B * T, 4, 8))
+    one, cache1 = ne.attention_forward(q, k, v, B, T, n_chunks=1)
+    four, cache4 = ne.attention_forward(q, k, v, B, T, n_chunks=4)
+    assert np.allclose(one, four, atol=1e-12)
+    for g1, g4 in zip(ne.attention_backward(dout, cache1, B, T), ne.attention_backward(dout, cache4, B, T)):
+        assert np.allclose(g1, g4, atol=1e-12)
+    k2, v2 = k.copy(), v.copy()                       # causality: the last key and value change only the last output
+    k2[T - 1] += 1.0
+    v2[T - 1] += 1.0
+    other, _ = ne.attention_forward(q, k2, v2, B, T)
+    assert np.allclose(other[:T - 1], one[:T - 1], atol=1e-12) and not np.allclose(other[T - 1], one[T - 1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# gradients: every backward against float64 finite differences, and broken ones the check catches
+
+def test_gradcheck_every_op_and_tensor():
+    ops = gradcheck.check_ops()
+    model = gradcheck.check_model()
+    assert len(model) == len(pl.param_shapes(pl.CONFIGS["tiny"])) + 1
+    for name, err in ops + model:
+        assert err < 1e-4, (name, err)
+
+
+def _drop_term(fn, fix):
+    def broken(*args):
+        out = fn(*args)
+        fix(out, *args)
+        return out
+    return broken
+
+
+BROKEN = {  # op -> (function to replace, broken version): each drops or flips one term
+    "swiglu": ("swiglu_backward", lambda f: _drop_term(f, lambda dgu, dact, gu: dgu.__setitem__(
+        (slice(None), slice(dact.shape[1], None)), 0.0))),
+    "rope": ("rope_backward", lambda f: lambda du, pos, cos, sin: f(du, pos, cos, -sin)),
+    "attention": ("attention_backward", lambda f: lambda dout, cache, B, T: (lambda g: (g[0], 0 * g[1], g[2]))(
+        f(dout, cache, B, T))),
+    "rmsnorm": ("rmsnorm_backward", lambda f: lambda dy, x, w, rstd, dx, dw: f(dy, x, w, rstd * 1.01, dx, dw)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(BROKEN))
+def test_gradcheck_catches_a_broken_backward(monkeypatch, op):
+    name, breaker = BROKEN[op]
+    monkeypatch.setattr(ne, name, breaker(getattr(ne, name)))
+    worst_name, worst = max(gradcheck.check_ops(), key=lambda r: r[1])
+    assert worst > 1e-2 and worst_name.startswith(op + "."), (worst_name, worst)
+    assert max(err for _, err in gradcheck.check_model()) > 1e-2
+
+
+def test_gradcheck_cli_prints_ok():
+    r = run_engine("gradcheck.py", "all")
+    assert r.returncode == 0 and ">>> backward OK" in r.stdout, r.stdout + r.stderr
+    assert "layers.2.w2" in r.stdout and "mtp.logits" in r.stdout
+
+
+def test_float32_gradients_match_float64():
+    cfg = pl.CONFIGS["tiny"]
+    P64 = pl.Params.init(cfg, 1, np.float64)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab, (2, 12)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab, (2, 12)).astype(np.int32)
+    l64, _, g64 = ne.loss_and_grads(P64, x, y)
+    l32, _, g32 = ne.loss_and_grads(P64.astype(np.float32), x, y)
+    assert abs(l64 - l32) < 1e-5
+    assert np.abs(g64.flat - g32.flat).max() < 1e-4 * np.abs(g64.flat).max()
+
+
+def test_batch_shards_add_up_to_the_whole_batch(monkeypatch):
+    """One thread per shard of rows: the shards' losses and gradients must add up to those of the whole
+    batch in one piece (with uneven shards and -1 targets, so that the per-head counts differ by shard)."""
+    cfg = pl.CONFIGS["tiny"]
+    P = pl.Params.init(cfg, 2, np.float64)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, cfg.vocab, (5, 16)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab, (5, 16)).astype(np.int32)
+    y[1, 3:] = -1
+    y[4, :10] = -1
+    results = {}
+    for n in (1, 3):
+        monkeypatch.setattr(ne, "n_threads", lambda: n)
+        obj, ces, G = ne.loss_and_grads(P, x, y)
+        results[n] = obj, ces, G.flat.copy(), ne.forward_loss(P, x, y)
+    (o1, c1, g1, f1), (o3, c3, g3, f3) = results[1], results[3]
+    assert o3 == pytest.approx(o1, rel=1e-12) and c3 == pytest.approx(c1, rel=1e-12)
+    assert f3[0] == pytest.approx(o1, rel=1e-12) and f3[1] == pytest.approx(c1, rel=1e-12)
+    assert f1[0] == pytest.approx(o1, rel=1e-12)
+    assert np.abs(g1 - g3).max() < 1e-12 * np.abs(g1).max()
+
+
+# ----------------------------------------------------------------------------------------------------
+# sampling and generation: speculative decoding equals plain decoding, the KV cache equals none
+
+def test_speculative_greedy_equals_plain_greedy():
+    """The engine's guesses (from ids, and from logits with a repetition penalty) and a chain of drafts from
+    heads 1 and 2 (the GPU's way), kept (head 1 is right), refused (head 2 is wrong) and on a random model:
+    plain decoding's ids."""
+    def chain(P, prompt, n, stats):
+        cache = ne.KVCache(P.cfg, 1, P.flat.dtype)
+        return list(pl.speculative_decode(lambda ids: ne.forward_cached(P, ids, cache, heads=P.cfg.n_mtp), cache.keep,
+                                          prompt, n, pl.Sampling(0), None, stats, P.cfg.n_mtp, P.cfg.ctx))
+    for P in (_shift_model([1, 2, 5], 20.0), pl.Params.init(pl.CONFIGS["tiny"], 3)):
+        for prompt, n in (([3, 4], 30), ([1], 61), (list(range(40)) + [7] * 20, 10)):   # the last two hit the context
+            for sampling in (pl.Sampling(temperature=0), pl.Sampling(temperature=0, repetition_penalty=1.3)):
+                plain = list(ne.generate(P, prompt, n, sampling=sampling))
+                assert list(ne.generate(P, prompt, n, sampling=sampling, speculative=True)) == plain
+                assert len(plain) == min(n, P.cfg.ctx - len(prompt))
+            assert chain(P, prompt, n, {}) == list(ne.generate(P, prompt, n, sampling=pl.Sampling(temperature=0)))
+    P = _shift_model([1, 2, 5], 20.0)
+    drafts, guesses = {}, {}
+    chain(P, [3], 40, drafts)
+    list(ne.generate(P, [3], 40, sampling=pl.Sampling(temperature=0), speculative=True, stats=guesses))
+    assert 0.4 < drafts["accepted"] / drafts["drafted"] < 0.6            # head 1 always right, head 2 never
+    assert guesses["accepted"] == guesses["drafted"] > 0                  # one of head 1's is always right
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_decode_rows_are_computed_as_alone(small, monkeypatch):
+    """A row of a decode step gets the logits, to the bit, that it gets in a step of its own after the same
+    tokens: drafts in a chain, guesses at one position, both, a plain step; so greedy speculation cannot
+    change an id. small=False: every product as a larger model's, one matrix-vector product per row."""
+    if not small:
+        monkeypatch.setattr(ne, "_SMALL", 0)
+    P = pl.Params.init(pl.CONFIGS["small"], 4)
+    prompt, rows = list(range(30, 50)), [7, 9, 11, 13]
+
+    def alone(history, token):                       # heads 0 and 1 at token, one step each after the prompt
+        cache = ne.KVCache(P.cfg)
+        for ids in [prompt] + [[r] for r in history + [token]]:
+            out = ne.forward_cached(P, ids, cache, heads=2)
+        return out[-1]
+    chain = [alone(rows[:t], rows[t]) for t in range(len(rows))]
+    guesses = chain[:1] + [alone(rows[:1], r) for r in rows[1:]]             # each after z = rows[0]
+    for offsets, want in (([0, 1, 2, 3], chain), ([0, 1, 1, 1], guesses), ([0, 1, 2, 1], chain[:3] + guesses[3:])):
+        cache = ne.KVCache(P.cfg)
+        ne.forward_cached(P, prompt, cache)
+        got = ne.forward_cached(P, rows, cache, offsets=offsets, heads=2)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), offsets
+
+
+def test_speculative_sampling_has_plain_sampling_distribution():
+    """Three tokens after a prompt, top-k 3 at temperature 1: the exact joint law of (t1, t2, t3) from
+    head 0's distributions, against the frequencies of 3000 speculative draws (chi-square, p = 0.001)."""
+    P = _shift_model([1, 2, 3], 0.6)                     # soft heads: drafts are kept about 40% of the time
+    s = pl.Sampling(temperature=1.0, top_k=3)
+    prompt = [10]
+
+    def p0(ids):
+        return s.probs(ne.forward_cached(P, ids, ne.KVCache(P.cfg, 1, np.float64))[-1])
+    law = {}
+    p1 = p0(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = p0(prompt + [a])
+        for b in np.flatnonzero(p2):
+            p3 = p0(prompt + [a, b])
+            for c in np.flatnonzero(p3):
+                law[(a, b, c)] = p1[a] * p2[b] * p3[c]
+    rng, stats, n = np.random.default_rng(0), {}, 3000
+    counts = Counter(tuple(ne.generate(P, prompt, 3, sampling=s, rng=rng, speculative=True, stats=stats))
+                     for _ in range(n))
+    assert set(counts) <= set(law)
+    assert 0.2 < stats["accepted"] / stats["drafted"] < 0.9
+    keys = sorted(law, key=law.get, reverse=True)
+    big = [k for k in keys if law[k] * n >= 5]            # cells with enough expected counts; the rest pooled
+    obs = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    exp = [law[k] * n for k in big] + [n * (1 - sum(law[k] for k in big))]
+    chi2, df = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0), len(obs) - 1
+    bound = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3   # Wilson-Hilferty, p = 0.001
+    assert chi2 < bound, (chi2, df)
+
+
+def test_batched_generation_is_independent_streams():
+    P = pl.Params.init(pl.CONFIGS["tiny"], 3)
+    P.flat *= 10
+    greedy = pl.Sampling(temperature=0)
+    plain = list(ne.generate(P, [5, 6], 20, sampling=greedy))
+    assert ne.generate_batch(P, [5, 6], 3, 20, greedy, np.random.default_rng(0)) == [plain] * 3
+    s = pl.Sampling(temperature=1.0, top_k=0)
+    a = ne.generate_batch(P, [5, 6], 4, 20, s, np.random.default_rng(1))
+    assert a == ne.generate_batch(P, [5, 6], 4, 20, s, np.random.default_rng(1))      # the seed fixes them
+    assert len({tuple(x) for x in a}) == 4                                           # and they differ
+    # each stream is a plain decode: stream r's logits equal a single-stream cache's on its own ids
+    cache = ne.KVCache(P.cfg, 1)
+    ref = ne.forward_cached(P, [5, 6] + a[2][:-1], cache)[-1]
+    cache_b = ne.KVCache(P.cfg, 4)
+    got = ne.forward_cached(P, [[5, 6] + x[:-1] for x in a], cache_b)[2, -1]
+    assert np.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_top_p_and_repetition_penalty_by_hand():
+    logits = np.log([0.5, 0.3, 0.15, 0.05])
+    assert pl.Sampling(1.0, 0, top_p=0.7).probs(logits) == pytest.approx([0.625, 0.375, 0, 0])
+    assert pl.Sampling(1.0, 0, top_p=0.5).probs(logits) == pytest.approx([1, 0, 0, 0])
+    assert pl.Sampling(1.0, 0, top_p=0.96).probs(logits) == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    z = np.array([2.0, -1.0, 0.5, 0.0])
+    p = pl.Sampling(1.0, 0, repetition_penalty=2.0).probs(z, history=[0, 1, 1])       # 2 -> 1, -1 -> -2
+    assert p == pytest.approx(np.exp([1.0, -2.0, 0.5, 0.0]) / np.exp([1.0, -2.0, 0.5, 0.0]).sum())
+    assert pl.Sampling(0.0, repetition_penalty=5.0).sample(z, [0], None) == 2          # 2/5 < 0.5
+
+
+def test_sample_cli_samples_and_speed_line(one_step_ckpt):
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 3, "--tokens", 8, "--prompt", "The")
+    assert r.returncode == 0 and r.stdout.count("--- sample ") == 3 and "in 3 streams" in r.stderr, r.stderr
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--no-speculative")
+    assert r.returncode == 0 and "tokens/s, speculative off]" in r.stderr, r.stderr
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--temperature", 0)
+    assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr            # greedy, small: on by default
+    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 8, "--prompt", "The", "--speculative")
+    assert r.returncode == 0 and "drafts accepted" in r.stderr, r.stderr
+    assert [ne.speculation_pays(pl.CONFIGS[n]) for n in ("tiny", "small", "medium", "big")] == [True, True, False, False]
+    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--top-p", 0), "--top-p 0")
+    assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
+
+
+def test_kv_cache_generation_equals_uncached():
+    cfg = pl.CONFIGS["tiny"]
+    P = pl.Params.init(cfg, 3)
+    for v in P.flat, :
+        v *= 10                                        # a peaked, input-dependent distribution
+    prompt = [5, 17, 42, 7]
+    cached = list(ne.generate(P, prompt, 40, 0.8, 20, np.random.default_rng(7)))
+    uncached = list(ne.generate(P, prompt, 40, 0.8, 20, np.random.default_rng(7), cached=False))
+    assert cached == uncached
+    assert len(set(cached)) > 3
+
+
+def test_prompt_longer_than_context_keeps_its_end(tmp_path, corpus):
+    out = tmp_path / "p"
+    assert _train(out, corpus, "--steps", 1).returncode == 0
+    r = run_cli("sample", "--ckpt", out, "--prompt", "word " * 600 + "END", "--tokens", 5)
+    assert r.returncode == 0 and "kept its last 507 to fit the context of 512" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints, training and resume
+
+def test_checkpoint_round_trip_and_corruption(tmp_path):
+    import bpe
+    tok = bpe.Tokenizer.train("hello world, " * 50, 300)
+    cfg = pl.Config(**{**pl.asdict(pl.CONFIGS["tiny"]), "vocab": tok.vocab_size})
+    P = pl.Params.init(cfg, 0)
+    path = tmp_path / "c.npz"
+    pl.save_checkpoint(str(path), P, tok, extra={"kind": "base"})
+    P2, tok2, state, extra = pl.load_checkpoint(str(path))
+    assert np.array_equal(P.flat, P2.flat) and tok2.to_string() == tok.to_string() and extra == {"kind": "base"}
+    assert not list(tmp_path.glob("*.tmp"))
+    with np.load(path) as z:                         # CONTRACT.md: float32 tensors by name, config JSON, tokenizer
+        assert z["layers.2.w3"].dtype == np.float32 and json.loads(str(z["config"]))["n_mtp"] == 3
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(path.read_bytes()[:5000])
+    assert_one_line_error(run_cli("sample", "--ckpt", bad, "--prompt", "hi"), "corrupt")
+    with np.load(path) as z:                         # tensors of one config under the config JSON of another
+        arrays = {k: z[k] for k in z.files}
+    arrays["config"] = np.array(pl.Config(**{**pl.asdict(cfg), "dim": 16}).to_json())
+    other = tmp_path / "other.npz"
+    np.savez(other, **arrays)
+    assert_one_line_error(run_cli("sample", "--ckpt", other, "--prompt", "hi"), "shape")
+
+
+def _losses(out):
+    return [json.loads(l)["loss"] for l in open(os.path.join(out, "train_log.jsonl"))]
+
+
+def test_resume_is_bit_exact(tmp_path, corpus):
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = _train(a, corpus, "--steps", 8)
+    assert r.returncode == 0, r.stderr
+    assert "1,049,728 parameters" in r.stdout
+    r = _train(b, corpus, "--steps", 8, "--stop-after", 4)
+    assert r.returncode == 0, r.stderr
+    assert len(_losses(b)) == 4
+    r = run_cli("train", "--out", b, "--resume", env_extra=corpus[1])
+    assert r.returncode == 0, r.stderr
+    assert _losses(a) == _losses(b)
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    assert all(np.array_equal(za[k], zb[k]) for k in za.files if k.startswith(("layers", "adam_m")))
+
+
+def test_nan_loss_stops_and_keeps_the_checkpoint(tmp_path, corpus):
+    out = tmp_path / "n"
+    assert _train(out, corpus, "--steps", 2).returncode == 0
+    before = (out / "ckpt.npz").read_bytes()
+    r = run_cli("train", "--out", out, "--resume", "--steps", 50, "--lr", 1e30, env_extra=corpus[1])
+    assert_one_line_error(r, "loss is")
+    assert (out / "ckpt.npz").read_bytes() == before
+
+
+def test_resume_refuses_another_config_and_extends_at_the_floor(tmp_path, corpus):
+    out = tmp_path / "r"
+    assert _train(out, corpus, "--steps", 4, "--warmup", 2, "--lr", 1e-3).returncode == 0
+    assert_one_line_error(run_cli("resume", "big", "--out", out, env_extra=corpus[1]), "config small", "not big")
+    assert_one_line_error(run_cli("train", "--resume", "--out", out, env_extra=corpus[1]), "raise --steps")
+    r = run_cli("resume", "--out", out, "--steps", 7, env_extra=corpus[1])
+    assert r.returncode == 0, r.stderr
+    lrs = [json.loads(l)["lr"] for l in open(out / "train_log.jsonl")]
+    cos = 1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))  # step 3 of a 4-step schedule, warm-up 2
+    assert lrs[:4] == pytest.approx([5e-4, 1e-3, 1e-3, cos], rel=1e-12)
+    assert lrs[4:] == pytest.approx([1e-4] * 3, rel=1e-12)      # no jump: the floor of the first schedule
+
+
+def test_stop_flag_restores_the_previous_handler(tmp_path):
+    import signal
+    cfg = pl.CONFIGS["tiny"]
+    P, tok = pl.Params.init(cfg), bpe.Tokenizer([])
+
+    class Fake:
+        sync_every_step = True
+
+        def step(self, x, y, lr):
+            pass
+
+        def results(self):
+            return [(1.0, [1.0, 1.0, 1.0], 0.5)]
+
+        def host_state(self):
+            return P, pl.Params(cfg), pl.Params(cfg)
+
+    mine = lambda s, f: None
+    old = signal.signal(signal.SIGINT, mine)
+    try:
+        batches = pl.Batches(np.arange(1000, dtype=np.uint16) % 256, 2, 8)
+        args = dict(pl.TRAIN_DEFAULTS, steps=2, schedule_steps=2, log_every=1, ckpt_every=1)
+        pl.train_loop(Fake(), tok, batches, args, str(tmp_path))
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
+    path = tmp_path / "t.txt"
+    path.write_text(pl.default_corpus()[0][:20_000])
+    pl.prepare_data(str(path), pl.CONFIGS["small"], "small", str(tmp_path / "cache"))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "training a 512-id tokenizer" in first
+
+
+# ----------------------------------------------------------------------------------------------------
+# SFT and chat
+
+def test_sft_loss_mask_is_exact():
+    import bpe
+    tok = bpe.Tokenizer.train(pl.default_corpus()[0][:50_000], 300)
+    ex = {"instruction": "Say hi.", "input": "", "output": "hi there"}
+    prompt = tok.encode(pl.format_prompt("Say hi."))
+    response = tok.encode("hi there") + [tok.eot]
+    ids, targets = pl.sft_example(tok, ex, 512)
+    assert ids.tolist() == (prompt + response)[:-1]
+    assert targets.tolist() == [-1] * (len(prompt) - 1) + response
+    assert tok.decode(prompt).endswith("### Instruction:\nSay hi.\n\n### Response:\n")
+    with_input = pl.format_prompt("Sum.", "1 2")
+    assert "paired with an input" in with_input and with_input.endswith("### Input:\n1 2\n\n### Response:\n")
+    ids, targets = pl.sft_example(tok, ex, len(prompt) + 1)             # truncated to the context
+    assert len(ids) == len(prompt) + 1 and targets.tolist()[-2:] == response[:2]
+
+
+def test_chat_ctrl_c_stops_only_the_answer(tmp_path, corpus):
+    import signal
+    out = tmp_path / "c"
+    assert _train(out, corpus, "medium", "--steps", 1).returncode == 0
+    # greedy, so the answer is the same every run (no early <|endoftext|>) and long enough to interrupt: the
+    # 10M model writes its 500 tokens in ~0.8 s (small wrote them in 0.2 s, and a loaded machine lost the race)
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler.py"), "chat", "--ckpt", str(out / "ckpt.npz"),
+                          "--tokens", "500", "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    p.stdin.write("The\n")
+    p.stdin.flush()
+    seen = ""
+    while seen.count("> ") < 1 or len(seen.split("> ", 1)[1]) < 5:    # the first characters of the answer
+        seen += p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate("A\n", timeout=120)
+    assert p.returncode == 0, err
+    assert "[stopped]" in rest and "\n> A\n" in rest, rest           # the session went on to the next question
+
+
+def _fake_chat(monkeypatch, capsys, lines, ctx, max_new=4):
+    """Runs the chat loop on piped lines with a model that answers ' ok'; -> (prompts it saw, stdout)."""
+    import io
+    tok = bpe.Tokenizer([])
+    seen = []
+
+    def gen(ids, n):
+        seen.append(list(ids))
+        yield from tok.encode(" ok") + [tok.eot]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(l + "\n" for l in lines)))
+    pl.chat_repl(tok, gen, True, max_new, ctx)
+    return tok, seen, capsys.readouterr().out
+
+
+def test_chat_keeps_the_conversation_and_echoes_piped_questions(monkeypatch, capsys):
+    tok, seen, out = _fake_chat(monkeypatch, capsys, ["first", "second"], ctx=512)
+    assert "> first\n ok\n> second\n ok\n" in out
+    turn1 = tok.encode(pl.format_prompt("first"))
+    assert seen[0] == turn1
+    assert seen[1] == turn1 + tok.encode(" ok") + [tok.eot] + tok.encode(pl.format_prompt("second"))
+    tok, seen, out = _fake_chat(monkeypatch, capsys, ["a", "b", "c", "d"], ctx=300)
+    assert "dropped the 1 oldest turn(s)" in out
+    assert all(len(s) <= 300 - 4 for s in seen) and len(seen) == 4
+    assert tok.decode(seen[-1]).count("### Instruction") == 2
+
+
+def test_chat_edits_lines_in_a_terminal():
+    """In a terminal, input() has readline's line editing: a left arrow moves the cursor."""
+    import pty
+    import select
+    import signal
+    from time import monotonic
+    code = ("import pipeline as pl, bpe; tok = bpe.Tokenizer([]);"
+            "pl.chat_repl(tok, lambda ids, n: print('GOT', repr(tok.decode(ids))) or iter(()), False, 5, 512)")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-c", code])
+    out = b""
+
+    def read_until(pattern, limit=30):
+        nonlocal out
+        end = monotonic() + limit
+        while not re.search(pattern, out) and monotonic() < end:
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    out += os.read(fd, 1024)
+                except OSError:
+                    return
+    try:
+        read_until(rb"> ")
+        os.write(fd, b"abc\x1b[DX\r")
+        read_until(rb"GOT .*\n(.|\n)*> ")
+        os.write(fd, b"\x04")
+        read_until(rb"\$^")                          # reads until the child closes the terminal
+    finally:
+        end = monotonic() + 10
+        while not (done := os.waitpid(pid, os.WNOHANG)[0]) and monotonic() < end:
+            select.select([], [], [], 0.1)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert b"GOT 'abXc'" in out and done, out
+
+
+def test_pretrain_sft_chat_end_to_end(tmp_path):
+    env = {"NANOEULER_CACHE": str(tmp_path / "cache")}
+    base, chat = tmp_path / "base", tmp_path / "chat"
+    r = run_cli("train", "--steps", 30, "--batch", 4, "--seq", 64, "--eval-every", 15, "--out", base, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "embedded default corpus" in r.stdout and "final: val loss" in r.stdout
+    r = run_cli("sft", "--ckpt", base / "ckpt.npz", "--steps", 20, "--batch", 4, "--out", chat, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    before, after = map(float, re.search(r"before ([\d.]+) -> after ([\d.]+)", r.stdout).groups())
+    assert after < before
+    r = run_cli("chat", "--ckpt", chat / "ckpt.npz", "--tokens", 20, stdin="What is a statement?\n" + "x " * 600 + "\n",
+                env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "instruction model" in r.stdout and "kept its last" in r.stderr
+    r = run_cli("chat", "--ckpt", base / "ckpt.npz", "--tokens", 10, stdin="The\n", env_extra=env)
+    assert r.returncode == 0 and "base model" in r.stdout

@@ -1,0 +1,268 @@
+"""
+test_gpu_engine.py -- the GPU engine (nanoeuler_cuda.py).
+
+No GPU needed: every CUDA source compiles to PTX with NVRTC (needs libnvrtc, e.g. the nvidia-cuda-nvrtc-cu12
+wheel, and skips without it), every kernel has a launcher, the engine imports without Numba. Marked gpu (they
+skip without CuPy and a device): the self-test and gradient check (float64 finite differences), bit-exact
+resume at each precision, checkpoints that cross engines, and generation equal to the CPU engine's ids (the
+CPU engine being held to the references of test_reference.py). Its usage mistakes are in test_cli.py.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, one_error_line, run_cli, run_engine, run_gpu, shift_model as _shift_model
+import nanoeuler as ne
+import pipeline as pl
+import nanoeuler_cuda as nc
+
+
+# ----------------------------------------------------------------------------------------------------
+# no GPU needed
+
+def test_every_kernel_compiles_with_nvrtc():
+    """Every CUDA source string compiles to PTX for compute_90 (a broken kernel fails CI)."""
+    path, results = nc.compile_check()
+    if path is None:
+        pytest.skip("no libnvrtc found (pip install nvidia-cuda-nvrtc-cu12)")
+    assert results and set(name for name, _, _ in results) == set(nc.SOURCES)
+    bad = {name: log for name, ok, log in results if not ok}
+    assert not bad, bad
+
+
+def test_every_kernel_has_a_launcher_and_a_check():
+    """Each extern "C" kernel is launched from Python: its name appears outside the CUDA strings, or the
+    f-string that names it (flash, attention and matvec kernels) does, with parameters it takes."""
+    src = (ROOT / "nanoeuler_cuda.py").read_text()
+    py = re.sub(r'r"""(.|\n)*?"""', "", src)                       # the Python: CUDA strings removed
+    for mod, code in nc.SOURCES.items():
+        for name in nc.kernel_names(code):
+            m = re.fullmatch(r"(flash(?:_bf16)?)_(fwd|bwd|dq|dkdv)_\d+", name)   # launched as f"flash_..._{hd}"
+            a = re.fullmatch(r"attn_cached_(\d+)(?:_bf16)?", name)                # f"attn_cached_{hd}" (+ "_bf16")
+            v = re.fullmatch(r"matvec_(\w+)_p(\d+)", name)                        # f"matvec_{epi}_p{parts}"
+            w = re.fullmatch(r"attn_warps_(\d+)_g(\d+)(?:_bf16)?", name)         # f"attn_warps_{hd}_g{Hq // Hkv}"
+            assert (f'"{name}"' in py or (m and f'_{m.group(1)}_kernel("{m.group(2)}"' in py)
+                    or (a and 'f"attn_cached_{hd}"' in py and int(a.group(1)) in nc.ATTN_CACHED_HD)
+                    or (w and 'f"attn_warps_{hd}_g{Hq // Hkv}"' in py and int(w.group(1)) in nc.ATTN_WARPS_HD
+                        and int(w.group(2)) in nc.ATTN_WARPS_GQ)
+                    or (v and 'f"matvec_{epi}_p{parts}"' in py and v.group(1) in nc.MATVEC_EPI
+                        and int(v.group(2)) in {nc.matvec_plan(n, 1024, 132)[1] for n in (1, 200, 300, 1000)})), name
+
+
+def test_gpu_engine_imports_without_numba():
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; import nanoeuler_cuda"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# on a GPU (marked gpu: skipped without CuPy and a device)
+
+@pytest.mark.gpu
+def test_selftest_passes():
+    r = run_gpu()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "self-test: PASS" in r.stdout and "FAIL" not in r.stdout
+
+
+@pytest.mark.gpu
+def test_gradcheck_passes():
+    r = run_gpu("g")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gradient check: PASS" in r.stdout
+
+
+SMALL = ["--config", "small", "--batch", "4", "--seq", "128", "--log-every", "1", "--eval-every", "4",
+         "--warmup", "2", "--lr", "3e-3"]
+
+
+@pytest.mark.gpu
+def test_resume_continues_the_run_exactly(tmp_path):
+    """t for 8 steps == t stopped after 4 + tr for the rest: bit-identical weights and moments."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = run_gpu("t", *SMALL, "--steps", 8, "--out", a)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("t", *SMALL, "--steps", 8, "--stop-after", 4, "--out", b)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("tr", "--out", b)
+    assert r.returncode == 0, r.stderr
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    assert int(za["step"]) == int(zb["step"]) == 8
+    for k in za.files:
+        if k not in ("train_state", "config", "tokenizer"):
+            assert np.array_equal(za[k], zb[k]), k
+    la = [json.loads(l) for l in open(a / "train_log.jsonl")]
+    lb = [json.loads(l) for l in open(b / "train_log.jsonl")]
+    assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert la[-1]["loss"] < la[0]["loss"]                      # it learns
+
+
+@pytest.mark.gpu
+def test_checkpoints_cross_engines(tmp_path):
+    """A GPU checkpoint loads and resumes in nanoeuler.py; a CPU checkpoint resumes and samples on the GPU,
+    with the GPU's cached logits equal to the CPU's."""
+    g, c = tmp_path / "gpu", tmp_path / "cpu"
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", g).returncode == 0
+    r = run_cli("train", "--resume", "--out", g, "--steps", 3)
+    assert r.returncode == 0, r.stderr
+    assert int(np.load(g / "ckpt.npz")["step"]) == 3
+    r = run_cli("train", "small", "--steps", 2, "--batch", 2, "--seq", 64, "--out", c)
+    assert r.returncode == 0, r.stderr
+    r = run_gpu("tr", "--out", c, "--steps", 3)
+    assert r.returncode == 0, r.stderr
+    P, tok, _, _ = pl.load_checkpoint(str(c / "ckpt.npz"))
+    ids = tok.encode("It was the best of times")
+    sampler = nc.Sampler(P)
+    cache = ne.KVCache(P.cfg)
+    ref = ne.forward_cached(P, ids[:-1], cache, heads=P.cfg.n_mtp)[-1]
+    got = sampler.forward(ids[:-1])[-1]                                   # the prefill (flash attention)
+    assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+    ref, got = ne.forward_cached(P, ids[-1:], cache, heads=P.cfg.n_mtp), sampler.forward(ids[-1:])   # a decode step
+    assert np.max(np.abs(got - ref)) <= 1e-3 * np.max(np.abs(ref))
+
+
+def _peaky(name, seed=3):
+    """Random weights whose logits spread widely (no near-ties for float rounding to flip)."""
+    return nc.gradcheck_params(pl.CONFIGS[name], np.random.default_rng(seed), scale=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_gpu_generation_matches_cpu_engine(name):
+    """The device sampler draws what the CPU engine draws: the same rules and, with the same seed, the same
+    random numbers in the same order, so plain and speculative decoding, greedy and sampled, one stream and
+    a batch, give the CPU engine's ids (peaked weights leave no near-ties; a batch too large for matvec,
+    from bf16 weights, greedy ids up to bf16's rounding). Speculative greedy ids equal plain greedy ids, and
+    its rounds decided on the device keep the drafts the host's rule keeps; Python launches equal graph
+    replays. (small prefills with the flash kernel; tiny's head dim 8 with the cache kernel.)"""
+    P = _peaky(name)
+    prompt = list(range(5, 21))
+    n = 60 if name == "small" else 40
+    gpu, eager = nc.Sampler(P, streams=4), nc.Sampler(P, streams=4, graphs=False)
+    rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3)]
+    for sampling in rules:
+        for spec in (False, True):
+            rng = lambda: np.random.default_rng(7)
+            ref = list(ne.generate(P, prompt, n, sampling=sampling, rng=rng(), speculative=spec))
+            stats = {}
+            got = list(gpu.generate(prompt, n, sampling, rng(), speculative=spec, stats=stats))
+            assert got == ref, (sampling, spec)
+            assert got == list(eager.generate(prompt, n, sampling, rng(), speculative=spec))
+            if spec:
+                assert stats["drafted"] > 0
+        ref = ne.generate_batch(P, prompt, 3, n, sampling, np.random.default_rng(5))
+        assert gpu.generate_batch(prompt, 3, n, sampling, np.random.default_rng(5)) == ref
+    greedy = pl.Sampling(0)
+    assert list(gpu.generate(prompt, n, greedy, speculative=True)) == list(gpu.generate(prompt, n, greedy))
+    # greedy rounds decided on the device (spec_round) against the pipeline's rule run by the host over the
+    # sampler's logits: the same ids and counts, for lengths that cut the last round short and at the
+    # context's end; the shift model's head 1 drafts right and its head 2 wrong
+    counts = {}
+    for Q in (P, _shift_model([1, 2, 5], 20.0)):
+        one, K, ctx = nc.Sampler(Q), Q.cfg.n_mtp, Q.cfg.ctx
+        end = [i % Q.cfg.vocab for i in range(1, ctx - 5)]                # a prompt near the context's end
+        for m, ids in ((1, prompt), (2, prompt), (n - 1, prompt), (50, end)):
+            dev, host = {}, {}
+            got = list(one.generate(ids, m, greedy, speculative=True, stats=dev))
+            one.pos = 0
+            want = list(pl.speculative_decode(one.forward, lambda c: setattr(one, "pos", c), ids, m, greedy,
+                                              np.random.default_rng(0), host, K, ctx))
+            assert got == want and dev == host, (m, dev, host)
+            for key in dev:
+                counts[key] = counts.get(key, 0) + dev[key]
+    assert 0 < counts["accepted"] < counts["drafted"], counts             # both outcomes of a draft were met
+    assert gpu.graphs and one.graphs     # every step and prefill (prompts of 16 and of ctx - 6) was captured
+    # more streams than matvec takes: cuBLAS products from bf16 weights. Every stream takes the same greedy
+    # ids, and each is a greedy choice up to bf16's rounding: the CPU engine's logits along those ids put it
+    # within 2% of the logits' range of the best
+    k = nc.MATVEC_ROWS + 4
+    outs = nc.Sampler(P, streams=k).generate_batch(prompt, k, n, greedy, np.random.default_rng(5))
+    assert all(o == outs[0] for o in outs) and len(outs) == k
+    z = ne.forward(P, np.array([prompt + outs[0][:-1]], np.int32))[len(prompt) - 1:]
+    gap = z.max(1) - z[np.arange(n), outs[0]]
+    assert np.all(gap <= 0.02 * (z.max(1) - z.min(1))), gap
+    ctx = P.cfg.ctx                                                       # generation stops at the context
+    assert len(list(gpu.generate(list(range(1, ctx - 5)), 50, greedy, speculative=True))) == 6
+    assert len(list(gpu.generate(list(range(1, ctx - 5)), 50, greedy))) == 6
+
+
+@pytest.mark.gpu
+def test_gpu_sample_modes(tmp_path):
+    """--samples N prints N continuations and the aggregate speed; speculative and plain greedy print the
+    same text; chat runs on the same sampler."""
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", tmp_path).returncode == 0
+    r = run_gpu("sample", "It was", "--ckpt", tmp_path, "--samples", 3, "--tokens", 20)
+    assert r.returncode == 0 and r.stdout.count("--- sample") == 3 and "in 3 streams" in r.stderr, r.stdout + r.stderr
+    outs = [run_gpu("i", "It was", "--ckpt", tmp_path, "--temperature", 0, flag) for flag in ("--speculative",
+                                                                                              "--no-speculative")]
+    assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout
+    assert "drafts accepted" in outs[0].stderr and "speculative off" in outs[1].stderr
+    r = run_engine("nanoeuler_cuda.py", "chat", "--ckpt", tmp_path, "--tokens", 10, input="hello\nagain\n", timeout=300)
+    assert r.returncode == 0 and r.stdout.count("hello") >= 1, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
+def test_inference_produces_text(tmp_path):
+    assert run_gpu("t", *SMALL, "--steps", 2, "--out", tmp_path).returncode == 0
+    r = run_gpu("i", "It was", "--ckpt", tmp_path / "ckpt.npz", "--tokens", 30, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("It was") and len(r.stdout) > len("It was") + 5
+    assert "30 tokens" in r.stderr
+    assert one_error_line(run_gpu("i", "x", "--ckpt", tmp_path / "missing.npz"))
+    r = run_gpu("sample", "It was", "--ckpt", tmp_path, "--tokens", 2000, "--temperature", 0)   # word mode, run folder
+    assert r.returncode == 0 and "context of 512 tokens is full" in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+def test_bf16_gradcheck_passes():
+    r = run_gpu("g", "--precision", "bf16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "gradient check: PASS (bf16" in r.stdout
+
+
+def _train_state(path):
+    return json.loads(str(np.load(path / "ckpt.npz")["train_state"]))["train"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_precision_is_recorded_and_resume_is_exact(tmp_path, precision):
+    """--precision goes into the checkpoint's run arguments; resume keeps it and continues bit-exactly."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*SMALL, "--steps", 6, "--precision", precision]
+    assert run_gpu("t", *args, "--out", a).returncode == 0
+    r = run_gpu("t", *args, "--stop-after", 3, "--out", b)
+    assert r.returncode == 0, r.stderr
+    assert _train_state(b)["precision"] == precision
+    r = run_gpu("tr", "--out", b)                               # no --precision: the run's own
+    assert r.returncode == 0, r.stderr
+    assert _train_state(b)["precision"] == precision
+    za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")
+    for k in za.files:
+        if k not in ("train_state", "config", "tokenizer"):
+            assert np.array_equal(za[k], zb[k]), k
+    la = [json.loads(l)["loss"] for l in open(a / "train_log.jsonl")]
+    assert la == [json.loads(l)["loss"] for l in open(b / "train_log.jsonl")]
+
+
+@pytest.mark.gpu
+def test_bf16_default_and_unsupported_head_dim(tmp_path):
+    """bf16 is the default; what the bf16 path cannot run (tiny's head dim 8, naive attention) is one error
+    line when asked for, and a tf32 run (with a note) by default."""
+    assert run_gpu("t", *SMALL, "--steps", 1, "--out", tmp_path / "a").returncode == 0
+    assert _train_state(tmp_path / "a")["precision"] == "bf16"
+    r = run_gpu("t", "tiny", "--steps", 1, "--batch", 2, "--seq", 32, "--precision", "bf16", "--out", tmp_path / "b")
+    assert one_error_line(r) and "head dim" in r.stderr, r.stdout + r.stderr
+    r = run_gpu("t", "tiny", "--attn", "naive", "--steps", 1, "--batch", 2, "--seq", 32, "--out", tmp_path / "c")
+    assert r.returncode == 0 and "precision: tf32" in r.stdout, r.stdout + r.stderr
+    assert _train_state(tmp_path / "c")["precision"] == "tf32"
+
+
+@pytest.mark.gpu
+def test_out_of_memory_batch_gets_one_line(tmp_path):
+    r = run_gpu("train", "big", "--batch", 100000, "--steps", 1, "--out", tmp_path)
+    assert one_error_line(r) and "out of GPU memory" in r.stderr and "--batch" in r.stderr, r.stdout + r.stderr

@@ -1,0 +1,273 @@
+"""
+test_tokenizer.py -- the byte-level BPE tokenizer (bpe.py): training, encode and decode, its file, parallel
+file encoding and its command line.
+
+Authorities: CONTRACT.md's "Tokenizer" section; merges worked out by hand; a brute-force trainer written
+here (full recount every merge); any Unicode text round-trips (hypothesis).
+"""
+import codecs
+import random
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+import bpe
+from conftest import run_engine
+
+
+def _corpus():
+    """A small mixed corpus: English, accents, CJK, emoji, digits, code-like whitespace."""
+    rng = random.Random(0)
+    words = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café",
+             "東京", "😀", "don't", "it's", "2024", "3.14", "==", "->", "Ünïcödé", "ok")
+    seps = (" ", " ", " ", "  ", "\n", "\n\n", "\t", ", ", ". ")
+    syllables = ("ka", "ri", "to", "mo", "an", "el", "qu", "is", "ßa", "ён", "ng", "th")
+    words += tuple("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(300))
+    return "".join(rng.choice(words) + rng.choice(seps) for _ in range(3000))
+
+
+CORPUS = _corpus()
+
+
+TOK = bpe.Tokenizer.train(CORPUS, 400)
+
+
+def _bin_ids(path):
+    return np.fromfile(path, dtype="<u2").tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+
+def test_known_merges_and_ids():
+    # "aaab" x1 and " aaab" x2: (a,a) counts 6, then (a,b) and (aa,a) tie at 3 -> smaller pair
+    # (97,98) wins, then (aa,ab) 3, then (" ", aaab) 2.
+    tok = bpe.Tokenizer.train("aaab aaab aaab", 261)
+    assert tok.merges == [(97, 97), (97, 98), (256, 257), (32, 258)]
+    assert tok.vocab_size == 261 and tok.eot == 260 and tok.special_id("<|endoftext|>") == 260
+    assert tok.encode("aaab aaab") == [258, 259]
+    assert tok.encode("aaa") == [256, 97]              # left-to-right, non-overlapping
+    assert tok.encode("aaaab") == [256, 256, 98]
+    assert tok.encode("aaab<|endoftext|>", "all") == [258, 260]
+
+
+def test_training_stops_when_pairs_run_out():
+    tok = bpe.Tokenizer.train("ab", 1000)
+    assert tok.merges == [(97, 98)] and tok.vocab_size == 258 and tok.eot == 257
+
+
+def test_special_strings_are_not_learnt():
+    tok = bpe.Tokenizer.train("<|endoftext|>" * 50 + "xy", 300)
+    assert tok.merges == [(120, 121)]
+
+
+def _reference_merges(text, n_merges):
+    """Brute force: full recount every merge, highest count then smallest pair."""
+    words = [[list(p.encode()), c] for p, c in Counter(bpe.GPT2_PATTERN.findall(text)).items()]
+    merges = []
+    for new_id in range(256, 256 + n_merges):
+        counts = Counter()
+        for w, c in words:
+            for pair in zip(w, w[1:]):
+                counts[pair] += c
+        if not counts:
+            break
+        best = min(counts, key=lambda p: (-counts[p], p))
+        merges.append(best)
+        for entry in words:
+            w, out, i = entry[0], [], 0
+            while i < len(w):
+                if tuple(w[i:i + 2]) == best:
+                    out.append(new_id)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            entry[0] = out
+    return merges
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_training_matches_brute_force(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["ab", "ba", "aab", "é", "a", "b", " ", "  ", "\n", "!!"])
+                   for _ in range(400))
+    assert bpe.Tokenizer.train(text, 256 + 60 + 1).merges == _reference_merges(text, 60)
+
+
+def test_training_is_deterministic():
+    assert bpe.Tokenizer.train(CORPUS, 400).to_string() == TOK.to_string()
+
+
+def test_compresses_and_ids_in_range():
+    assert TOK.vocab_size == 400 and len(TOK.merges) == 400 - 256 - 1
+    ids = TOK.encode(CORPUS)
+    assert len(CORPUS.encode()) / len(ids) > 2.5
+    assert all(0 <= i < TOK.vocab_size - len(TOK.specials) for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------------
+# encode / decode
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_round_trip_unicode(s):
+    assert TOK.decode(TOK.encode(s)) == s
+    assert TOK.decode(TOK.encode(s, "all")) == s
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.text(st.one_of(st.characters(), st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF))))
+@example("\ud800x\udfff \ud83d\ude00")
+def test_round_trip_lone_surrogates(s):
+    """A lone surrogate is not text (it has no UTF-8 form): it comes back as U+FFFD, the rest exactly."""
+    assert TOK.decode(TOK.encode(s)) == re.sub("[\ud800-\udfff]", "\ufffd", s)
+
+
+def test_round_trip_long_piece_without_spaces():
+    s = "ab" * 1000 + "é" * 300          # pieces longer than MAX_PIECE_BYTES are cut into chunks
+    assert TOK.decode(TOK.encode(s)) == s
+
+
+def test_empty_input():
+    assert TOK.encode("") == [] and TOK.encode("", "all") == []
+    assert TOK.decode([]) == "" and TOK.decode_bytes([]) == b""
+
+
+def test_special_tokens_allowed_or_plain():
+    s = "hello<|endoftext|>world"
+    plain = TOK.encode(s)
+    assert TOK.eot == TOK.vocab_size - 1 and TOK.eot not in plain
+    allowed = TOK.encode(s, "all")
+    assert allowed == TOK.encode("hello") + [TOK.eot] + TOK.encode("world")
+    assert TOK.encode(s, {"<|endoftext|>"}) == allowed
+    assert TOK.decode(plain) == TOK.decode(allowed) == s
+    with pytest.raises(ValueError, match="unknown special"):
+        TOK.encode(s, {"<|nope|>"})
+
+
+def test_several_specials_take_the_last_ids():
+    tok = bpe.Tokenizer.train(CORPUS, 400, specials=("<|endoftext|>", "<|pad|>"))
+    assert (tok.special_id("<|endoftext|>"), tok.special_id("<|pad|>")) == (398, 399)
+    ids = tok.encode("a<|pad|>b<|endoftext|>", {"<|pad|>"})
+    assert 399 in ids and 398 not in ids
+    overlapping = bpe.Tokenizer([], specials=("<|x|>", "<|x|>y"))
+    assert overlapping.encode("<|x|>y<|x|>", "all") == [257, 256]     # longest special wins
+    with pytest.raises(ValueError):
+        bpe.Tokenizer([], specials=("<|a b|>",))
+
+
+def test_decode_never_raises():
+    assert TOK.decode([0xFF, 0xC3]) == "\ufffd\ufffd"            # invalid and truncated UTF-8
+    assert TOK.decode([-1, 10**9, TOK.vocab_size]) == "\ufffd" * 3  # unknown ids
+    assert TOK.decode(np.array([104, 105], dtype=np.uint16)) == "hi"
+
+
+def test_streaming_decode_of_partial_utf8():
+    byte_tok = bpe.Tokenizer([])                  # every byte its own token
+    s = "naïve 東京 😀"
+    ids = byte_tok.encode(s)
+    assert any("\ufffd" in byte_tok.decode([i]) for i in ids)   # single tokens cut characters
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    assert "".join(dec.decode(byte_tok.decode_bytes([i])) for i in ids) == s
+
+
+# ----------------------------------------------------------------------------------------------------
+# serialisation
+
+def test_save_load_identity(tmp_path):
+    s = TOK.to_string()
+    assert s.splitlines()[0] == "nanoeuler-bpe v1"
+    tok2 = bpe.Tokenizer.from_string(s)
+    assert tok2.to_string() == s and tok2.merges == TOK.merges and tok2.eot == TOK.eot
+    TOK.save(tmp_path / "t.tok")
+    tok3 = bpe.Tokenizer.load(tmp_path / "t.tok")
+    sample = CORPUS[:2000] + "<|endoftext|>"
+    assert tok3.encode(sample, "all") == tok2.encode(sample, "all") == TOK.encode(sample, "all")
+
+
+_GOOD = bpe.Tokenizer.train("aaab aaab aaab", 261).to_string()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "not a tokenizer"),
+    ("hello\nworld\n", "not a tokenizer"),
+    ("nanoeuler-bpe v1\n{not json\n", "line 2"),
+    ("nanoeuler-bpe v1\n{\"vocab_size\": 257}\n", "line 2"),
+    (_GOOD.replace("97 98", "97 x"), "line 4"),
+    (_GOOD.replace("97 98", "-1 98"), "line 4"),
+    (_GOOD.replace("256 257", "256 300"), "not defined"),
+    (_GOOD.rsplit("\n", 2)[0] + "\n", "truncated"),
+])
+def test_corrupt_tokenizer_raises_value_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        bpe.Tokenizer.from_string(text)
+
+
+def test_load_corrupt_file_names_it(tmp_path):
+    (tmp_path / "bad.tok").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="bad.tok"):
+        bpe.Tokenizer.load(tmp_path / "bad.tok")
+
+
+# ----------------------------------------------------------------------------------------------------
+# files and command line
+
+def _tricky_text(n=6000):
+    rng = random.Random(1)
+    parts = ("word", " ", "  ", "\n", "\n\n", "\t", " \n", "'s", "123", "!!", "\r\n", "é", "東京",
+             "<|endoftext|>", "x")
+    return "".join(rng.choice(parts) for _ in range(n))
+
+
+@pytest.mark.parametrize("allow_special", [True, False])
+def test_parallel_file_encoding_equals_whole_text(tmp_path, allow_special):
+    text = _tricky_text()
+    tok = bpe.Tokenizer.train(text, 300)         # learns whitespace-run merges that a bad cut breaks
+    path = tmp_path / "in.txt"
+    path.write_text(text, encoding="utf-8", newline="")
+    size = path.stat().st_size
+    assert len(bpe._chunk_bounds(path, size, 500)) > 20          # really cut into many chunks
+    n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, path, tmp_path / "out.bin", workers=2,
+                                                    allow_special=allow_special, chunk_bytes=500)
+    expected = tok.encode(text, "all" if allow_special else None)
+    assert _bin_ids(tmp_path / "out.bin") == expected
+    assert n_tokens == len(expected) and n_bytes == size
+
+
+def test_cli_train_encode_stats(tmp_path):
+    (tmp_path / "c.txt").write_text(CORPUS, encoding="utf-8")
+    r = run_engine("bpe.py", "train", tmp_path / "c.txt", "--vocab", 400, "-o", tmp_path / "c.tok")
+    assert r.returncode == 0, r.stderr
+    assert bpe.Tokenizer.load(tmp_path / "c.tok").to_string() == TOK.to_string()
+    doc = "one doc<|endoftext|>two doc"
+    (tmp_path / "d.txt").write_text(doc, encoding="utf-8")
+    r = run_engine("bpe.py", "encode", tmp_path / "c.tok", tmp_path / "d.txt", "-o", tmp_path / "d.bin")
+    assert r.returncode == 0, r.stderr
+    assert _bin_ids(tmp_path / "d.bin") == TOK.encode(doc, "all")
+    r = run_engine("bpe.py", "stats", tmp_path / "c.tok", tmp_path / "c.txt")
+    assert r.returncode == 0 and "bytes/token" in r.stdout
+    for cmd in ("train", "encode", "stats"):
+        assert run_engine("bpe.py", cmd, "--help").returncode == 0
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    TOK.save(tmp_path / "t.tok")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.txt").write_bytes(b"abc \xff\xfe\x00\x01" * 10)
+    (tmp_path / "bad.tok").write_text("junk\n")
+    cases = [("encode", tmp_path / "t.tok", tmp_path / "missing.txt", "-o", tmp_path / "o.bin"),
+             ("encode", tmp_path / "t.tok", tmp_path / "binary.txt", "-o", tmp_path / "o.bin"),
+             ("encode", tmp_path / "bad.tok", tmp_path / "empty.txt", "-o", tmp_path / "o.bin"),
+             ("stats", tmp_path / "missing.tok", tmp_path / "empty.txt"),
+             ("stats", tmp_path / "t.tok", tmp_path / "empty.txt"),
+             ("train", tmp_path / "binary.txt", "--vocab", 300, "-o", tmp_path / "o.tok")]
+    for args in cases:
+        r = run_engine("bpe.py", *args)
+        assert r.returncode == 1, args
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+    assert not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.tmp").exists()
