@@ -1264,9 +1264,12 @@ LETTERS = {"t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat",
 
 
 def main(argv=None):
+    def checked(fn):        # a bad NANOEULER_THREADS is an error in every mode, not only in those that start threads
+        return lambda argv: (n_threads(), fn(argv))[1]
     return pl.run_main(PROG, "NanoEuler: a GPT-class model trained from scratch on the CPU. The model and its files: "
                        "CONTRACT.md. The GPU engine, with the same modes: nanoeuler_cuda.py.",
-                       MODES, LETTERS, sys.argv[1:] if argv is None else argv)
+                       {name: (text, checked(fn)) for name, (text, fn) in MODES.items()}, LETTERS,
+                       sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
