@@ -473,21 +473,35 @@ def bf16_float(b):
     return (np.asarray(b).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-# --- module registry: kernel name -> compiled RawKernel, compiled on first use (CuPy caches the binaries)
+# --- kernel registry: each CUDA source is declared as a module with the names of its kernels (cuda_source),
+#     so every kernel name is declared once; _k(name) compiles the name's module, COMMON + its source, on
+#     first use (CuPy caches the binaries)
 
 NVRTC_OPTIONS = ("-std=c++17",)
+SOURCES = {}        # module -> its CUDA source
+KERNELS = {}        # kernel name -> module
 _modules, _kernels = {}, {}
 
 
+def cuda_source(module, names, src):
+    """Declares a module: its CUDA source src and the names of the kernels src defines; -> src."""
+    assert module not in SOURCES and not KERNELS.keys() & set(names), module
+    SOURCES[module] = src
+    KERNELS.update(dict.fromkeys(names, module))
+    return src
+
+
 def kernel_names(src):
+    """The kernels a CUDA source defines, read from its text (the tests' cross-check of KERNELS)."""
     return re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)', src)
 
 
 def _k(name):
+    """The compiled kernel of a declared name."""
     k = _kernels.get(name)
     if k is None:
-        mod = next((m for m, src in SOURCES.items() if name in kernel_names(src)), None)
-        assert mod is not None, f"no kernel {name}"
+        assert name in KERNELS, f"no kernel {name}"
+        mod = KERNELS[name]
         if mod not in _modules:
             _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod], options=NVRTC_OPTIONS)
         k = _kernels[name] = _modules[mod].get_function(name)
@@ -636,7 +650,7 @@ template <int VEC> __device__ __forceinline__ void stv(bf16* p, const float* f) 
 # --- embedding: x[n] = tok_emb[idx[n]]; backward without atomics: the host sorts the positions by
 #     token (order, starts), and one block per vocabulary row sums its positions in a fixed order ---
 
-EMBED_SRC = r"""
+EMBED_SRC = cuda_source("embed", ["embed_fwd", "embed_bwd"], r"""
 extern "C" __global__ void embed_fwd(const float* __restrict__ emb, const int* __restrict__ idx,
                                      float* __restrict__ x, int D) {
     dep_trigger();                                        // (generation: the first layer's weights load now)
@@ -660,7 +674,7 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
         demb[(i64)v * D + c] = (a0 + a1) + (a2 + a3);
     }
 }
-"""
+""")
 
 
 def embed_fwd(emb, idx, x):
@@ -688,7 +702,8 @@ def sort_tokens(idx, V):
 #     The residual stream x, xout and the statistics are fp32 in every precision; h (the next GEMM's
 #     input) is fp32 or bf16 ---
 
-RMSNORM_SRC = r"""
+RMSNORM_SRC = cuda_source("rmsnorm", ["rmsnorm_fwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd", "rmsnorm_bwd_d768",
+                                      "rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_d768", "col_sum"], r"""
 // the 4 values at p[4c .. 4c+3] as a float4: fp32, or bf16 widened / rounded to nearest (16- or 8-byte accesses)
 template <typename T> __device__ __forceinline__ float4 ld4(const T* p, i64 c) {
     float f[4]; ldv<4>(p + 4 * c, f); return make_float4(f[0], f[1], f[2], f[3]);
@@ -846,7 +861,7 @@ extern "C" __global__ void __launch_bounds__(1024) col_sum(const float* __restri
         out[c] = t;
     }
 }
-"""
+""")
 
 
 def rms_rows_per_warp(N):
@@ -894,7 +909,7 @@ def rmsnorm_bwd(dy, x, w, rstd, dx, dw, part, accumulate=True, dxb=None):
 # --- RoPE, half-split, in place on the first `heads` head-vectors of each row (q heads then k heads of
 #     the fused q|k|v buffer); position = pos0 + row % T; sign -1 rotates back (the fp32 backward pass) ---
 
-ROPE_SRC = r"""
+ROPE_SRC = cuda_source("rope", ["rope", "rope_bf16"], r"""
 extern "C" __global__ void rope(float* __restrict__ u, const float* __restrict__ cosv, const float* __restrict__ sinv,
                                 int N, int T, int pos0, int heads, int hd, int S, float sign) {
     int half = hd / 2;
@@ -937,7 +952,7 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ u, const float* __restri
     stbf<8>(pa, ra);
     stbf<8>(pa + half, rb);
 }
-"""
+""")
 
 
 def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
@@ -953,7 +968,8 @@ def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
 
 # --- SwiGLU on gu = [g | u] (N, 2F): act = silu(g) * u; backward writes [dg | du] over gu ---
 
-SWIGLU_SRC = r"""
+SWIGLU_SRC = cuda_source("swiglu", ["swiglu_fwd", "swiglu_fwd_to_bf16", "swiglu_bwd", "swiglu_fwd_bf16",
+                                    "swiglu_fwd_bf16_v8", "swiglu_bwd_bf16", "swiglu_bwd_bf16_v8"], r"""
 template <typename TO>
 __device__ __forceinline__ void swiglu_fwd_body(const float* __restrict__ gu, TO* __restrict__ act, int N, int F) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1026,7 +1042,7 @@ extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dact, bf16* 
 extern "C" __global__ void swiglu_bwd_bf16_v8(const bf16* __restrict__ dact, bf16* __restrict__ gu, int N, int F) {
     swiglu_bwd_bf16_body<8>(dact, gu, N, F);
 }
-"""
+""")
 
 
 def swiglu_fwd(gu, act):
@@ -1056,7 +1072,7 @@ def swiglu_bwd(dact, gu):
 #     kernel, writing scale_k * (softmax - onehot) over the logits. Head k at row n = b*T + t reads
 #     target targets[n + k] when t + k < T; -1 is ignored. scales[k] = weight_k / count_k ---
 
-XENT_SRC = r"""
+XENT_SRC = cuda_source("xent", ["xent", "xent_chunk", "xent_chunk_bl", "loss_reduce"], r"""
 // One (row, head): -log p(target) into *loss and, with want_grad, sc * (softmax - onehot) into drow: the
 // row itself for fp32 (in place), or bf16 dl, the next GEMMs' input, in the bf16 path. tgt < 0 counts
 // nothing and has a zero gradient. The statistics (max, sum of exp, log-sum-exp) are fp32. A row of
@@ -1148,7 +1164,7 @@ extern "C" __global__ void loss_reduce(const float* __restrict__ rowloss, const 
     acc = block_sum(acc);
     if (threadIdx.x == 0) ce[k] = acc * inv_count[k];
 }
-"""
+""")
 
 
 def xent(logits, targets, scales, rowloss, T, nmtp, want_grad, per_seq=False):
@@ -1196,7 +1212,16 @@ def loss_weights(targets, n_mtp, mtp_weight):
 # over key tiles, i.e. over blocks: instead of float atomics (non-deterministic) each block writes its
 # partial dQ to dqp[key tile] and flash_dq_sum adds the partials in a fixed order.
 
-FLASH_SRC = r"""
+FLASH_HEAD_DIMS = (32, 64)
+
+
+def flash_name(kind, hd, bf16=False):
+    """The flash attention kernel of a kind (fwd, bwd; bf16: fwd, dq, dkdv) for head dim hd."""
+    return f"flash{'_bf16' if bf16 else ''}_{kind}_{hd}"
+
+
+FLASH_SRC = cuda_source("flash", ["flash_bwd_pre", "flash_dq_sum"] +
+                        [flash_name(kind, hd) for kind in ("fwd", "bwd") for hd in FLASH_HEAD_DIMS], r"""
 template <int DPT> struct Vec;
 template <> struct Vec<4> {
     static __device__ __forceinline__ void ld(const float* p, float* d) {
@@ -1471,7 +1496,7 @@ extern "C" __global__ void flash_dq_sum(const float* __restrict__ dqp, float* __
     for (int kt = 0; kt <= last; kt++) acc += dqp[((i64)kt * N + n) * Cq + c];
     dqkv[n * S + c] = acc;
 }
-"""
+""")
 
 _FLASH_SMEM = {"fwd": lambda hd: (3 * 64 * (hd + 4) + 64 * 68) * 4,
                "bwd": lambda hd: (4 * 64 * (hd + 4) + 2 * 64 * 68 + 128) * 4}
@@ -1490,9 +1515,9 @@ def _smem_kernel(name, smem):
 
 
 def _flash_kernel(kind, hd):
-    if hd not in (32, 64):
+    if hd not in FLASH_HEAD_DIMS:
         raise UserError(f"flash attention supports head dims 32 and 64, not {hd} (use --attn naive)")
-    return _smem_kernel(f"flash_{kind}_{hd}", _FLASH_SMEM[kind](hd))
+    return _smem_kernel(flash_name(kind, hd), _FLASH_SMEM[kind](hd))
 
 
 def flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd):
@@ -1552,7 +1577,9 @@ def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
 # Rows past T need no masks: their Q, dO rows are zero-filled, lse and D read as 0, so they contribute 0.
 # (Measured on an H200, B=16 T=512 Hq/Hkv=12/4 hd=64: fwd+bwd 0.19 ms against 1.29 for the fp32 kernel.)
 
-FLASH_BF16_SRC = r"""
+BF16_HEAD_DIMS = (32, 64, 128)
+FLASH_BF16_SRC = cuda_source("flash_bf16", ["flash_bf16_dpre"] + [
+    flash_name(kind, hd, bf16=True) for kind in ("fwd", "dq", "dkdv") for hd in BF16_HEAD_DIMS], r"""
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l/8, row l%8
 __device__ __forceinline__ void fb_ldm4(unsigned r[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -1986,7 +2013,7 @@ __device__ __forceinline__ void fb_dkdv_body(const bf16* __restrict__ qkv, const
 extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_32(FB_DKDV_PARAMS) { fb_dkdv_body<32>(FB_DKDV_ARGS); }
 extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_64(FB_DKDV_PARAMS) { fb_dkdv_body<64>(FB_DKDV_ARGS); }
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_128(FB_DKDV_PARAMS) { fb_dkdv_body<128>(FB_DKDV_ARGS); }
-"""
+""")
 
 
 # shared memory per block (bytes): tiles of [64][hd+8] bf16 (+ fp32 vectors)
@@ -1994,14 +2021,13 @@ _FLASH_BF16_SMEM = {"fwd": lambda hd: 5 * 64 * (hd + 8) * 2,
                     "dq": lambda hd: 3 * (64 * (hd + 8) * 2 + 8192),     # FB_DQ_STAGES x (K, dS tiles)
                     "dkdv": lambda hd: 6 * 64 * (hd + 8) * 2 + 256 * 4}
 FLASH_BF16_PAIR = 1            # dK/dV blocks take key tiles x and nkt-1-x: equal causal work per block
-BF16_HEAD_DIMS = (32, 64, 128)
 
 
 def _flash_bf16_kernel(kind, hd):
     if hd not in BF16_HEAD_DIMS:
         raise UserError(f"bf16 flash attention supports head dims 32, 64 and 128, not {hd} "
                         "(use --precision tf32 or fp32)")
-    return _smem_kernel(f"flash_bf16_{kind}_{hd}", _FLASH_BF16_SMEM[kind](hd))
+    return _smem_kernel(flash_name(kind, hd, bf16=True), _FLASH_BF16_SMEM[kind](hd))
 
 
 def flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd):
@@ -2038,7 +2064,7 @@ def flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd, p
 #     so every product is one strided-batched cuBLAS call over the B*Hkv groups and sums over the G heads
 #     come out of the products themselves. ---
 
-NAIVE_SRC = r"""
+NAIVE_SRC = cuda_source("naive", ["heads_copy", "causal_softmax", "softmax_bwd"], r"""
 // dst (B, H, T, hd) <- src columns col0 + h*hd + d of (N, S) rows; back=1 copies the other way
 extern "C" __global__ void heads_copy(float* __restrict__ src, float* __restrict__ dst, int N, int T, int H,
                                      int hd, int S, int col0, int back) {
@@ -2073,7 +2099,7 @@ extern "C" __global__ void softmax_bwd(const float* __restrict__ p, float* __res
     s = block_sum(s);
     for (int c = threadIdx.x; c < T; c += blockDim.x) dr[c] = pr[c] * (dr[c] - s) * scale;
 }
-"""
+""")
 
 
 def _heads_copy(buf, dst, T, H, hd, col0, back=False):
@@ -2495,7 +2521,7 @@ class Model:
 #     launch over the flat buffer. Weight decay on matrices and the embedding only: the norm weights sit
 #     at fixed offsets of each layer's block (attn_norm at 0, ffn_norm at ffn_off) and after the layers ---
 
-OPTIM_SRC = r"""
+OPTIM_SRC = cuda_source("optim", ["sumsq_partial", "sumsq_final", "adamw", "adamw_bf16", "to_bf16"], r"""
 extern "C" __global__ void sumsq_partial(const float* __restrict__ g, i64 n, double* __restrict__ part) {
     __shared__ double sh[32];
     double acc = 0.0;
@@ -2566,7 +2592,7 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         y[i] = f2bf(x[i]);
 }
-"""
+""")
 
 
 def to_bf16(x, y):
@@ -3041,13 +3067,22 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
 }
 """
 MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues, in MATVEC_SRC's order
-MATVEC_SRC += "".join(   # the kernels matvec() picks: one per epilogue and K split
-    [f'extern "C" __global__ void __launch_bounds__(256) matvec_{epi}_p{parts}(float* __restrict__ out, const float* '
-     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
-     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
-     f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
-     f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
-     for parts in (1, 2, 4, 8) for e, epi in enumerate(MATVEC_EPI)])
+MATVEC_PARTS = (1, 2, 4, 8)                    # the warps that may split a unit's K (matvec_plan)
+
+
+def matvec_name(epi, parts):
+    return f"matvec_{epi}_p{parts}"
+
+
+MATVEC_KERNELS = {   # name -> extern "C" instance: the kernels matvec() picks, one per epilogue and K split
+    matvec_name(epi, parts):
+    f'extern "C" __global__ void __launch_bounds__(256) {matvec_name(epi, parts)}(float* __restrict__ out, const float* '
+    f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
+    f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
+    f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
+    f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
+    for parts in MATVEC_PARTS for e, epi in enumerate(MATVEC_EPI)}
+MATVEC_SRC = cuda_source("matvec", ["rope_store", *MATVEC_KERNELS], MATVEC_SRC + "".join(MATVEC_KERNELS.values()))
 
 
 def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
@@ -3094,7 +3129,7 @@ def matvec(out, x, W, epi="out", norm=None, rope=None):
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
     kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
     upb, parts = matvec_plan(N // 2, K)
-    k = _k(f"matvec_{epi}_p{parts}")
+    k = _k(matvec_name(epi, parts))
     smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
     assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
     shared_memory(k, smem)
@@ -3342,17 +3377,31 @@ ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which take
 ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
 ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
                                       # at 116-500 keys)
-CACHE_ATTN_SRC += "".join(   # the kernels attn_cached() picks: per head dim (and query heads a kv head)
-    [f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) attn_cached_{hd}{sfx}(const float* __restrict__ qkv, '
-     f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
-     f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
-     f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for sfx, to in (("", "float"), ("_bf16", "bf16"))] +
-    [f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) attn_warps_{hd}_g{gq}{sfx}(const float* '
-     f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
-     f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
-     f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
-     f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for sfx, to in (("", "float"), ("_bf16", "bf16"))]
-)
+
+
+def attn_cached_name(hd, bf16):
+    return f"attn_cached_{hd}" + ("_bf16" if bf16 else "")
+
+
+def attn_warps_name(hd, gq, bf16):
+    return f"attn_warps_{hd}_g{gq}" + ("_bf16" if bf16 else "")
+
+
+ATTN_OUT = ((False, "float"), (True, "bf16"))     # the output's type: fp32, or bf16 (the batched decode step's)
+# name -> extern "C" instance: the kernels attn_cached() picks, per head dim (and query heads a kv head) and output
+CACHE_ATTN_KERNELS = {
+    **{attn_cached_name(hd, bf):
+       f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) {attn_cached_name(hd, bf)}(const float* __restrict__ qkv, '
+       f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
+       f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
+       f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for bf, to in ATTN_OUT},
+    **{attn_warps_name(hd, gq, bf):
+       f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) {attn_warps_name(hd, gq, bf)}(const float* '
+       f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
+       f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
+       f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
+       f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for bf, to in ATTN_OUT}}
+CACHE_ATTN_SRC = cuda_source("cache_attn", CACHE_ATTN_KERNELS, CACHE_ATTN_SRC + "".join(CACHE_ATTN_KERNELS.values()))
 
 
 def attn_warps(R, Hq, Hkv, hd):
@@ -3369,14 +3418,14 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
     if attn_warps(R, Hq, Hkv, hd):                          # many blocks that share the SMs
         assert rope is None or rows == 1
         cos, sin = rope or (NULL, NULL)
-        k = _k(f"attn_warps_{hd}_g{Hq // Hkv}" + ("_bf16" if out.dtype == BF else ""))
+        k = _k(attn_warps_name(hd, Hq // Hkv, out.dtype == BF))
         return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
                       (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
     assert rope is None
     ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
                                                                          # that share SMs
     smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
-    k = _k(f"attn_cached_{hd}" + ("_bf16" if out.dtype == BF else ""))   # bf16 out: the batched decode step's
+    k = _k(attn_cached_name(hd, out.dtype == BF))         # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
            (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)),
@@ -3386,7 +3435,7 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
 # --- sampling: each stream's next id drawn on the device by pipeline.Sampling's rule, and the step's
 #     position advanced ---
 
-SAMPLING_SRC = r"""
+SAMPLING_SRC = cuda_source("sampling", ["sample_tokens", "advance"], r"""
 // block-wide exclusive prefix sum of one value per thread (in thread order); *total gets the sum
 __device__ float block_scan(float v, float* total) {
     __shared__ float ws[33];
@@ -3497,7 +3546,7 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
     state[0] += dpos;
     state[1] += dstep;
 }
-"""
+""")
 
 
 def sample_tokens(logits, seen, uni, state, tokens, sampling):
@@ -3519,7 +3568,7 @@ def advance(state, dpos, dstep):
 
 # --- speculation: greedy speculative decoding's rounds decided on the device ---
 
-SPEC_SRC = r"""
+SPEC_SRC = cuda_source("spec", ["argmax_heads", "spec_round"], r"""
 // greedy speculative decoding: the first argmax of each head at each row; one block per (row, head)
 extern "C" __global__ void argmax_heads(const float* __restrict__ logits, int V, int* __restrict__ out) {
     dep_trigger();
@@ -3562,7 +3611,7 @@ extern "C" __global__ void spec_round(const int* __restrict__ am, int K, int* __
     spec[2] += n_ok;
     spec[4] = produced + emit >= max_new || pos + 1 >= ctx;
 }
-"""
+""")
 
 
 def argmax_heads(logits, V, out):
@@ -3930,12 +3979,6 @@ def cmd_infer(argv):
     stats = {}
     n, dt = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
     print(pl.speed_line(n, dt, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats), file=sys.stderr)
-
-
-# (every source is declared above: the module registry's table)
-SOURCES = {"embed": EMBED_SRC, "rmsnorm": RMSNORM_SRC, "rope": ROPE_SRC, "swiglu": SWIGLU_SRC, "xent": XENT_SRC,
-           "flash": FLASH_SRC, "flash_bf16": FLASH_BF16_SRC, "naive": NAIVE_SRC, "optim": OPTIM_SRC,
-           "matvec": MATVEC_SRC, "cache_attn": CACHE_ATTN_SRC, "sampling": SAMPLING_SRC, "spec": SPEC_SRC}
 
 
 # ----------------------------------------------------------------------------------------------------
