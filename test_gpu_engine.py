@@ -9,6 +9,7 @@ CPU engine being held to the references of test_reference.py). Its usage mistake
 """
 import ast
 import json
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,15 @@ def test_every_kernel_has_a_launcher():
     launched |= {nc.attn_warps_name(hd, gq, bf16) if nc.attn_warps(R, gq, 1, hd) else nc.attn_cached_name(hd, bf16)
                  for R in (1, 64) for hd in nc.ATTN_CACHED_HD for gq in nc.ATTN_WARPS_GQ for bf16 in (False, True)}
     assert not set(nc.KERNELS) - launched, sorted(set(nc.KERNELS) - launched)
+
+
+def test_the_module_map_names_every_section():
+    """The docstring's numbered map names each section as its bar does, in order, and every bar is numbered."""
+    src = (ROOT / "nanoeuler_cuda.py").read_text()
+    bars = re.findall(r"^# -{20,}\n# (\d+)\. ([^:\n]+):", src, re.M)
+    assert len(bars) == len(re.findall(r"^# -{20,}$", src, re.M)) >= 10
+    assert re.findall(r"^    (\d+)\. ([^:\n]+):", nc.__doc__, re.M) == bars
+    assert [int(n) for n, _ in bars] == list(range(1, len(bars) + 1))
 
 
 def test_gpu_engine_imports_without_numba():
