@@ -52,15 +52,29 @@ def test_cpu_engine_without_numba_says_so_in_one_line():
     assert_one_line_error(r, "numba is not installed", "pip install")
 
 
+def cpu_args(monkeypatch, mode, *argv):
+    """The flags a CPU mode (a name or a letter) parses from argv; the mode stops there."""
+    class Parsed(Exception):
+        pass
+    parse = pl.Parser.parse_args
+
+    def stop(self, args=None, namespace=None):
+        raise Parsed(parse(self, args, namespace))
+    with monkeypatch.context() as m:
+        m.setattr(pl.Parser, "parse_args", stop)
+        with pytest.raises(Parsed) as e:
+            ne.MODES[ne.LETTERS.get(mode, mode)][1]([str(x) for x in argv])
+    return e.value.args[0]
+
+
 def test_every_config_name_in_every_mode(monkeypatch):
     """One name per config, as a word or --config, in the CPU modes and the GPU modes alike."""
-    p = ne.parser()
     for name in pl.CONFIGS:
-        for mode in ("train", "resume", "bench"):
-            for args in ([mode, name], [mode, "--config", name]):
-                assert pl.config_arg(p.parse_args(args)) == name
+        for mode in ("train", "t", "resume", "tr", "bench"):
+            for args in ([name], ["--config", name]):
+                assert pl.config_arg(cpu_args(monkeypatch, mode, *args)) == name
     with pytest.raises(pl.UserError, match="unknown config 'big_cpu'.*medium"):
-        pl.config_arg(p.parse_args(["train", "big_cpu"]))
+        pl.config_arg(cpu_args(monkeypatch, "train", "big_cpu"))
 
     def stop():
         raise pl.UserError("parsed")
@@ -84,9 +98,9 @@ def _parsers(monkeypatch):
     for mode in nc.MODES:
         with pytest.raises(Caught):
             nc.MODES[mode]([])
-    top = ne.parser()
-    found.update({sp.prog: sp for a in top._actions if isinstance(a, pl.argparse._SubParsersAction)
-                  for sp in a.choices.values()})
+    for _, fn in ne.MODES.values():
+        with pytest.raises(Caught):
+            fn([])
     return found
 
 
@@ -110,6 +124,52 @@ def test_every_cli_answers_help():
             (script, args, r.stdout, r.stderr)
     r = run_engine("nanoeuler_cuda.py", "--help")
     assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
+
+
+def test_importing_the_cpu_engine_loads_no_server_exporter_or_launcher():
+    """The CPU engine is a library too (gradcheck.py, the GPU's references): serve, export, evaluate and
+    distributed load in the modes that use them. pipeline.py loads none either."""
+    for module in ("nanoeuler", "pipeline"):
+        r = subprocess.run([sys.executable, "-c", f"import {module}, sys; print(sorted(m for m in ('serve','export',"
+                            "'evaluate','distributed') if m in sys.modules))"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0 and r.stdout == "[]\n", (module, r.stdout, r.stderr)
+
+
+def test_one_dispatch_lists_the_modes_and_their_letters(capsys):
+    """Both engines' modes go through pl.run_main: the list on --help (status 0) or without a mode (1), the
+    GPU engine's letters on the CPU too, a near name for a misspelt mode, the statuses of a mode's end."""
+    assert ne.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: nanoeuler.py MODE") and "CONTRACT.md" in out
+    for row in ("train | t ", "resume | tr ", "sample | i ", "chat | c ", "sft | s ", "dpo | d ", "export ", "bench "):
+        assert "\n  " + row in out, row
+    assert ne.main([]) == 1 and capsys.readouterr().out == out
+    assert ne.main(["sampel"]) == 1
+    assert capsys.readouterr().err.startswith("error: invalid choice: mode 'sampel' (did you mean sample?)")
+
+    def fail(e):
+        raise e
+    modes = {"ok": ("", lambda argv: {"a": 1}), "two": ("", lambda argv: 2), "user": ("", lambda argv: fail(pl.UserError("x"))),
+             "stop": ("", lambda argv: fail(KeyboardInterrupt())), "oom": ("", lambda argv: fail(MemoryError("big"))),
+             "bug": ("", lambda argv: fail(ValueError("bug")))}
+    run = lambda *argv: pl.run_main("p", "", modes, {"": "two", "k": "ok"}, argv,
+                                    error_of=lambda e: f"out of memory ({e})" if isinstance(e, MemoryError) else None)
+    assert [run("ok"), run("k"), run(), run("--flag"), run("user"), run("stop"), run("oom")] == [0, 0, 2, 2, 1, 130, 1]
+    assert capsys.readouterr().err == "error: x\nerror: out of memory (big)\n"
+    with pytest.raises(ValueError):
+        run("bug")
+
+
+def test_sample_takes_the_prompt_as_a_word_or_a_flag(monkeypatch, one_step_ckpt):
+    """As the GPU engine's `i "It was"`: the word, or --prompt, or a newline; two different prompts are a mistake."""
+    assert pl.prompt_arg(cpu_args(monkeypatch, "i", "It was")) == "It was"
+    assert pl.prompt_arg(cpu_args(monkeypatch, "sample", "--prompt", "It was")) == "It was"
+    assert pl.prompt_arg(cpu_args(monkeypatch, "sample")) == "\n"
+    with pytest.raises(pl.UserError, match="two prompts"):
+        pl.prompt_arg(cpu_args(monkeypatch, "sample", "a", "--prompt", "b"))
+    flags = ("--ckpt", one_step_ckpt, "--tokens", 6, "--temperature", 0)
+    word, flag = run_cli("i", "It was", *flags), run_cli("sample", "--prompt", "It was", *flags)
+    assert word.returncode == 0 and word.stdout.startswith("It was") and word.stdout == flag.stdout, word.stderr
 
 
 def test_readme_commands_are_python3():

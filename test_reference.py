@@ -408,7 +408,7 @@ def test_validation_reads_the_validation_split():
     def batch_loss(x, y):
         seen.append((x, y))
         return 2.0
-    loss, bpb = pl.evaluate(batch_loss, tokens, 2, 8, 5, 4.0)
+    loss, bpb = pl.validation_loss(batch_loss, tokens, 2, 8, 5, 4.0)
     assert len(seen) == 5 and all(x.min() >= 900 and np.all(y == x + 1) for x, y in seen)
     assert loss == 2.0 and bpb == pytest.approx(2.0 / math.log(2) / 4.0, rel=1e-12)
 

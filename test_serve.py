@@ -49,10 +49,17 @@ def model(tmp_path_factory):
     return P, tok, d
 
 
+def serve_args(*flags):
+    """The CPU engine's serve flags, parsed."""
+    p = pl.Parser(prog="nanoeuler.py serve")
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), speculative_help=ne.SPECULATIVE_HELP)
+    return p.parse_args([str(f) for f in flags])
+
+
 def start(model, kind="chat", generate=None, *flags):
     """An in-process server on a free port, built from the serve mode's own flags; -> its port."""
     P, tok, d = model
-    a = ne.parser().parse_args(["serve", "--ckpt", str(d / f"{kind}.npz"), "--port", "0", *map(str, flags)])
+    a = serve_args("--ckpt", d / f"{kind}.npz", "--port", 0, *flags)
     generate = generate or (lambda ids, n, sampling, rng: ne.generate(P, ids, n, rng=rng, sampling=sampling))
     server = serve.make_server(a, tok, P.cfg, kind == "chat", generate, quiet=True)
     threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
@@ -438,7 +445,7 @@ def test_serve_speculates_per_request_as_sample_does(monkeypatch):
     P, seen = pl.Params.init(pl.CONFIGS["tiny"]), []
     monkeypatch.setattr(ne, "generate", lambda *args, speculative, **kw: seen.append(speculative))
     for flags in ([], ["--no-speculative"], ["--speculative"]):
-        gen = ne.serve_generate(P, ne.parser().parse_args(["serve", *flags]))
+        gen = ne.serve_generate(P, serve_args(*flags))
         gen([1], 3, pl.Sampling(0), None)
         gen([1], 3, pl.Sampling(0.7), None)
     assert seen == [True, False, False, False, True, True]
