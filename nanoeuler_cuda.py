@@ -56,11 +56,22 @@ from dataclasses import asdict
 
 import numpy as np
 
-import evaluate
 import pipeline as pl
 from pipeline import UserError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _evaluate():
+    """evaluate.py (the run report, HellaSwag, bits per byte, loss curves), loaded by the modes that use it."""
+    import evaluate
+    return evaluate
+
+
+def _distributed():
+    """distributed.py (several GPUs, --gpus), loaded by the modes that take it and by a trainer of a group."""
+    import distributed
+    return distributed
 
 # ----------------------------------------------------------------------------------------------------
 # 1. GPU runtime: CuPy (imported lazily, so that the compile check and the error messages work without
@@ -2801,8 +2812,7 @@ class Trainer:
 def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None):
     """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer,
     with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks."""
-    import distributed
-    dp = None if group is None else distributed.ZeRO(sys.modules[__name__], group, P.cfg, accum)
+    dp = None if group is None else _distributed().ZeRO(sys.modules[__name__], group, P.cfg, accum)
     model = Model(P.cfg, B, T, attn=attn, precision=precision, params=dp and dp.params())
     model.load(P)
     if dp is not None:
@@ -2832,7 +2842,7 @@ def cmd_train(argv, resume):
     pl.add_train_flags(p, out="out/gpu", defaults=defaults)
     p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
     add_precision_flag(p, "bf16; a resumed run keeps its own")
-    import distributed
+    distributed = _distributed()
     distributed.add_gpus_flag(p)
     a = p.parse_args(argv)
     a.config, resume = pl.config_arg(a), resume or a.resume
@@ -2849,8 +2859,7 @@ def train(a, defaults, resume, group=None):
     """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
     gpu()
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
-    import distributed
-    with distributed.rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
+    with _distributed().rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
         P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
     B, T, A = args["batch"], args["seq"], args["grad_accum"]
     if state is not None and "precision" not in state["train"] and a.precision is None:
@@ -2881,7 +2890,7 @@ def train(a, defaults, resume, group=None):
     pl.train_loop(trainer, tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
-    report = evaluate.write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
+    report = _evaluate().write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
                                    peak_tflops=PEAK_TFLOPS * world)
     print(f"report: {report}")
 
@@ -4219,6 +4228,7 @@ def gpu_hellaswag_logprobs(P, precision, attn):
 
 
 def cmd_eval(argv):
+    evaluate = _evaluate()
     p = pl.Parser(prog="nanoeuler_cuda.py eval", description=evaluate.EVAL_HELP + "; batched on the GPU")
     evaluate.add_eval_flags(p, "out/gpu/ckpt.npz")
     add_model_flags(p)
@@ -4235,6 +4245,7 @@ def cmd_eval(argv):
 
 
 def cmd_plot(argv):
+    evaluate = _evaluate()
     p = pl.Parser(prog="nanoeuler_cuda.py plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
@@ -5038,7 +5049,7 @@ def cmd_bench(argv):
     p.add_argument("--ckpt", help="weights for the generation benchmark (default random weights of the config, "
                    "with which the MTP heads' drafts are right by chance only)")
     p.add_argument("--only", choices=["train", "generation"], help="run one part (default both)")
-    import distributed
+    distributed = _distributed()
     p.add_argument("--gpus", type=int, metavar="N", help="the training step on one GPU and on N (data parallel, "
                    "ZeRO-1; B per GPU): tokens/s of each, the speed-up, MFU and memory per GPU (default: one GPU, "
                    "the usual tables); bf16 only unless --precision says otherwise")
