@@ -15,19 +15,8 @@ anywhere: every reduction has a fixed order, so a run is bit-reproducible and a 
 the uninterrupted one exactly. It needs numpy and CuPy; the CPU engine (nanoeuler.py, Numba) only for the
 float64 references of selftest and gradcheck.
 
-Modes (a word, or the seed's letter):
-    python nanoeuler_cuda.py [selftest]          every kernel against a float64 reference
-    python nanoeuler_cuda.py gradcheck | g       gradients of the whole model against nanoeuler.py
-    python nanoeuler_cuda.py train | t [CONFIG]  pretrain (default big; --steps --batch --seq --lr --out ...)
-    python nanoeuler_cuda.py resume | tr         continue the run in --out from its checkpoint
-    python nanoeuler_cuda.py sample | i "It was" generate with a KV cache (--ckpt --tokens --temperature ...)
-    python nanoeuler_cuda.py sft | s             supervised fine-tuning of a base checkpoint
-    python nanoeuler_cuda.py chat | c            chat with a checkpoint
-    python nanoeuler_cuda.py serve               OpenAI-compatible API and chat page (serve.py; --host --port)
-    python nanoeuler_cuda.py dpo | d             DPO of a chat checkpoint on preference pairs (--data --beta ...)
-    python nanoeuler_cuda.py eval                HellaSwag (acc, acc_norm) or bits per byte, batched (--task --data)
-    python nanoeuler_cuda.py plot RUN [RUN ...]  train and validation loss curves of runs, a PNG (evaluate.plot)
-    python nanoeuler_cuda.py bench [CONFIG]      speed per precision: tokens/s, ms/step, MFU, memory; attention
+Modes: `python nanoeuler_cuda.py --help` lists them (MODES, section 10), each a word or the seed's letter,
+e.g. `python nanoeuler_cuda.py train small`, `python nanoeuler_cuda.py i "It was"`; no mode runs selftest.
 Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
 Sections (each begins with a bar and the same number and name):
@@ -5141,35 +5130,35 @@ def print_bench_generation(a, cfg):
 # ----------------------------------------------------------------------------------------------------
 # 10. command line: the modes, their letters and main
 
-MODES = {"selftest": cmd_selftest, "gradcheck": cmd_gradcheck, "train": lambda a: cmd_train(a, False),
-         "resume": lambda a: cmd_train(a, True), "sample": cmd_infer, "sft": cmd_sft, "chat": cmd_chat,
-         "serve": cmd_serve, "dpo": cmd_dpo, "eval": cmd_eval, "plot": cmd_plot, "bench": cmd_bench}
+MODES = {   # name: (one line of the mode list, fn(argv)); each mode's --help gives its flags
+    "selftest": ("every kernel against a float64 reference (the mode run without one)", cmd_selftest),
+    "gradcheck": ("gradients of the whole model against nanoeuler.py", cmd_gradcheck),
+    "train": ("pretrain (default big)", lambda argv: cmd_train(argv, False)),
+    "resume": ("continue the run in --out from its checkpoint", lambda argv: cmd_train(argv, True)),
+    "sample": ("generate text from a checkpoint, with a KV cache", cmd_infer),
+    "sft": ("supervised fine-tuning of a base checkpoint", cmd_sft),
+    "chat": ("chat with a checkpoint", cmd_chat),
+    "serve": ("an OpenAI-compatible API and a chat page in the browser (serve.py)", cmd_serve),
+    "dpo": ("DPO of a chat checkpoint on preference pairs", cmd_dpo),
+    "eval": ("HellaSwag (acc, acc_norm) or bits per byte of a text, batched", cmd_eval),
+    "plot": ("train and validation loss curves of runs, a PNG", cmd_plot),
+    "bench": ("speed per precision: tokens/s, ms/step, MFU, memory; attention; generation", cmd_bench),
+}
 LETTERS = {"": "selftest", "g": "gradcheck", "t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat",
            "d": "dpo"}
 
 
+def out_of_memory(e):
+    """CuPy's out-of-memory error as one line (run_main's error_of); None for any other exception."""
+    if cp is not None and isinstance(e, cp.cuda.memory.OutOfMemoryError):
+        return f"out of GPU memory ({e}); lower --batch or --seq"
+    return None
+
+
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("-h", "--help", "help"):
-        print(__doc__.strip())
-        return 0
-    mode, rest = (argv[0], argv[1:]) if argv and not argv[0].startswith("-") else ("", argv)
-    mode = LETTERS.get(mode, mode)
-    try:
-        if mode not in MODES:
-            raise UserError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)} (or the letters "
-                            f"{', '.join(repr(k) for k in LETTERS)}); see nanoeuler_cuda.py --help")
-        return MODES[mode](rest) or 0
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        if cp is not None and isinstance(e, cp.cuda.memory.OutOfMemoryError):
-            print(f"error: out of GPU memory ({e}); lower --batch or --seq", file=sys.stderr)
-            return 1
-        raise
+    return pl.run_main("nanoeuler_cuda.py", "NanoEuler's GPU engine: the model, loss and AdamW of CONTRACT.md in "
+                       "CUDA on CuPy, in fp32, tf32 or bf16 mixed precision. The CPU engine, with the same modes: "
+                       "nanoeuler.py.", MODES, LETTERS, sys.argv[1:] if argv is None else argv, error_of=out_of_memory)
 
 
 if __name__ == "__main__":
