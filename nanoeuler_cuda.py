@@ -2828,7 +2828,7 @@ def cmd_train(argv, resume):
                   description="resume the run in --out" if resume else "pretrain (default: big on data/pretrain.bin, "
                   "data/web.txt or data/gutenberg.txt, the first that exists, else the embedded corpus)")
     defaults = dict(TRAIN_DEFAULTS, data=default_data())
-    pl.add_train_flags(p, out="out/gpu", defaults=defaults)
+    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=defaults)
     p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
     add_precision_flag(p, "bf16; a resumed run keeps its own")
     distributed = _distributed()
@@ -3961,7 +3961,7 @@ def cmd_infer(argv):
     p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
     p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
     p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
-    pl.add_sample_flags(p, ckpt="out/gpu/ckpt.npz", temperature=0.8)
+    pl.add_sample_flags(p, ckpt=pl.run_ckpt("train"), temperature=0.8)
     a = p.parse_args(argv)
     prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
     pl.check_sampling(a)
@@ -3986,7 +3986,7 @@ def cmd_infer(argv):
 
 def cmd_sft(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sft", description="fine-tune a base checkpoint on instructions")
-    pl.add_sft_flags(p, ckpt="out/gpu/ckpt.npz", out="out/gpu_chat", batch=16, seq=512, lr=1e-4)
+    pl.add_sft_flags(p, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], batch=16, seq=512, lr=1e-4)
     add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch", "seq")
@@ -4001,7 +4001,7 @@ def cmd_sft(argv):
 def cmd_chat(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py chat", description="talk to a checkpoint (the conversation is kept within "
                   "the context; a chat checkpoint wraps each line in the SFT template)")
-    pl.add_sample_flags(p, ckpt="out/gpu_chat/ckpt.npz", temperature=0.7)
+    pl.add_sample_flags(p, ckpt=pl.run_ckpt("sft"), temperature=0.7)
     a = p.parse_args(argv)
     pl.check_sampling(a)
     gpu()
@@ -4014,7 +4014,7 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt="out/gpu_chat/ckpt.npz")
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"))
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
@@ -4135,7 +4135,7 @@ def cmd_dpo(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py dpo", description="direct preference optimisation (CONTRACT.md \"DPO\") of "
                   "a chat checkpoint on pairs of a chosen and a rejected answer, against itself frozen; writes a chat "
                   "checkpoint")
-    pl.add_dpo_flags(p, ckpt="out/gpu_chat/ckpt.npz", out="out/gpu_dpo", steps=75, batch=8, lr=1e-5)
+    pl.add_dpo_flags(p, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"], steps=75, batch=8, lr=1e-5)
     add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch")
@@ -4219,7 +4219,7 @@ def gpu_hellaswag_logprobs(P, precision, attn):
 def cmd_eval(argv):
     evaluate = _evaluate()
     p = pl.Parser(prog="nanoeuler_cuda.py eval", description=evaluate.EVAL_HELP + "; batched on the GPU")
-    evaluate.add_eval_flags(p, "out/gpu/ckpt.npz")
+    evaluate.add_eval_flags(p, pl.run_ckpt("train"))
     add_model_flags(p)
     a = p.parse_args(argv)
     evaluate.check_eval_args(a)
