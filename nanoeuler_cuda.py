@@ -3986,7 +3986,7 @@ def cmd_infer(argv):
 
 def cmd_sft(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sft", description="fine-tune a base checkpoint on instructions")
-    pl.add_sft_flags(p, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], batch=16, seq=512, lr=1e-4)
+    pl.add_sft_flags(p, ckpt=pl.run_ckpt("train"), out=pl.RUN_DIRS["sft"], **pl.SFT_DEFAULTS["gpu"])
     add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch", "seq")
@@ -4135,7 +4135,7 @@ def cmd_dpo(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py dpo", description="direct preference optimisation (CONTRACT.md \"DPO\") of "
                   "a chat checkpoint on pairs of a chosen and a rejected answer, against itself frozen; writes a chat "
                   "checkpoint")
-    pl.add_dpo_flags(p, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"], steps=75, batch=8, lr=1e-5)
+    pl.add_dpo_flags(p, ckpt=pl.run_ckpt("sft"), out=pl.RUN_DIRS["dpo"])
     add_model_flags(p)
     a = p.parse_args(argv)
     pl.check_positive(a, "steps", "batch")
