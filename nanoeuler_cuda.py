@@ -2871,7 +2871,7 @@ def train(a, defaults, resume, group=None):
         pl.train_loop(trainer, tok, batches, args, a.out, None, extra, start=state["step"] if state else 0)
         return
     bpt = pl.bytes_per_token(tok, tokens)
-    val_fn = lambda: pl.evaluate(trainer.model.batch_loss, tokens, B, T, 8, bpt)
+    val_fn = lambda: pl.validation_loss(trainer.model.batch_loss, tokens, B, T, 8, bpt)
     sampler = Sampler(trainer.model.P)
     gen = lambda ids, n, rng: sampler.generate(ids, n, pl.Sampling(0.8, 40), rng)
     if state is None:
