@@ -3958,12 +3958,11 @@ def gpu_generate(sampler, a, stats=None):
 
 def cmd_infer(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py sample", description="generate text from a checkpoint")
-    p.add_argument("prompt", nargs="?", help="text to continue (default a newline; also --prompt)")
-    p.add_argument("--prompt", dest="prompt_flag", help="the same, as a flag")
+    pl.add_prompt_arg(p)
     p.add_argument("--samples", type=int, default=1, help="continuations drawn in one batch (default 1)")
     pl.add_sample_flags(p, ckpt=pl.run_ckpt("train"), temperature=0.8)
     a = p.parse_args(argv)
-    prompt = a.prompt if a.prompt is not None else (a.prompt_flag if a.prompt_flag is not None else "\n")
+    prompt = pl.prompt_arg(a)
     pl.check_sampling(a)
     gpu()
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
