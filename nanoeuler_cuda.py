@@ -511,8 +511,9 @@ def _k(name):
 # ----------------------------------------------------------------------------------------------------
 # 2. training kernels: CUDA sources, each next to its launcher. COMMON is prepended to every module.
 
-COMMON = r"""
-#define NEG_INF (-__int_as_float(0x7f800000))
+COMMON = f"""
+#define RMS_EPS {pl.RMS_EPS!r}f
+""" + r"""#define NEG_INF (-__int_as_float(0x7f800000))
 typedef long long i64;
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -698,7 +699,7 @@ def sort_tokens(idx, V):
 
 
 # --- RMSNorm, one warp per row, the residual add of the previous Euler step fused in:
-#     xout = x + add (if has_add); h = xout * rstd * w, rstd = 1/sqrt(mean(xout^2) + 1e-5).
+#     xout = x + add (if has_add); h = xout * rstd * w, rstd = 1/sqrt(mean(xout^2) + RMS_EPS).
 #     The residual stream x, xout and the statistics are fp32 in every precision; h (the next GEMM's
 #     input) is fp32 or bf16 ---
 
@@ -737,7 +738,7 @@ __device__ __forceinline__ void rmsnorm_fwd_body(const float* __restrict__ x, co
         }
     }
     ss = warp_sum(ss);
-    const float r = 1.0f / sqrtf(ss / D + 1e-5f);
+    const float r = 1.0f / sqrtf(ss / D + RMS_EPS);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int c = lane + 32 * j;
@@ -2997,7 +2998,7 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
                 ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             }
             ss = warp_sum(ss);
-            if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + 1e-5f);
+            if (lane == 0) rs[r] = 1.0f / sqrtf(ss / K + RMS_EPS);
         }
     }
     fb_wait<0>();

@@ -38,6 +38,14 @@ def test_every_kernel_compiles_with_nvrtc():
     assert len(defined) == len(nc.KERNELS) == 99 and dict(defined) == nc.KERNELS
 
 
+def test_cuda_sources_take_the_rmsnorm_eps_from_pipeline():
+    """RMS_EPS is pl.RMS_EPS as a float literal, the same float32, and no source spells the number itself."""
+    m = re.search(r"#define RMS_EPS (\S+)f\n", nc.COMMON)
+    assert m and np.float32(float(m.group(1))) == np.float32(pl.RMS_EPS)
+    assert all("RMS_EPS" in src for name, src in nc.SOURCES.items() if name in ("rmsnorm", "matvec"))
+    assert not any(re.search(r"\b1e-0?5f", src) for src in nc.SOURCES.values())
+
+
 def test_every_kernel_has_a_launcher():
     """Every kernel of the registry is launched: its name is a literal that a function passes to _k, or a
     launcher's name function gives it for parameters that launcher takes (flash, matvec, KV-cache attention)."""
