@@ -1001,9 +1001,7 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
           f"reward margin {seen[-1]['margin']:+.4f}; chat checkpoint {ckpt_path} ({time.time() - t0:.0f} s)")
 
 
-def add_dpo_flags(p, ckpt, out, **same):
-    # TEMP **same: nanoeuler_cuda.py still passes steps, batch and lr, the values of DPO_DEFAULTS
-    assert all(DPO_DEFAULTS[k] == v for k, v in same.items()), same
+def add_dpo_flags(p, ckpt, out):
     d = DPO_DEFAULTS
     add_finetune_flags(p, f"the SFT (chat) checkpoint or its run folder, also the frozen reference (default {ckpt})",
                        ckpt, out, d["steps"], (d["batch"], "pairs per step"), d["lr"], "held-out split and data order",
@@ -1121,8 +1119,6 @@ def validation_loss(batch_loss, tokens, B, T, n_batches, bytes_per_token):
     loss = float(np.mean([batch_loss(*val.next()) for _ in range(n_batches)]))
     return loss, loss / math.log(2) / bytes_per_token
 
-
-evaluate = validation_loss  # TEMP: removed once nanoeuler_cuda.py uses validation_loss
 
 
 def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None):
