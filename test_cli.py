@@ -123,10 +123,10 @@ def test_every_cli_answers_help():
     assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
 
 
-def test_importing_the_cpu_engine_loads_no_server_exporter_or_launcher():
-    """The CPU engine is a library too (gradcheck.py, the GPU's references): serve, export, evaluate and
-    distributed load in the modes that use them. pipeline.py loads none either."""
-    for module in ("nanoeuler", "pipeline"):
+def test_importing_an_engine_loads_no_server_exporter_or_launcher():
+    """The engines are libraries too (gradcheck.py, the GPU's references, the tests): serve, export, evaluate
+    and distributed load in the modes that use them. pipeline.py loads none either."""
+    for module in ("nanoeuler", "nanoeuler_cuda", "pipeline"):
         r = subprocess.run([sys.executable, "-c", f"import {module}, sys; print(sorted(m for m in ('serve','export',"
                             "'evaluate','distributed') if m in sys.modules))"], cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0 and r.stdout == "[]\n", (module, r.stdout, r.stderr)
