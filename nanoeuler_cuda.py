@@ -26,7 +26,7 @@ Sections (each begins with a bar and the same number and name):
     3. model: DeviceParams, Model (forward, backward)
     4. optimiser: AdamW with its kernels
     5. training: Trainer, train and resume
-    6. generation: the decode kernels by concern (cache attention, products, sampling, speculation)
+    6. generation: the decode kernels by concern (products, cache attention, sampling, speculation)
        beside the Sampler that launches them
     7. fine-tuning and evaluation: SFT, chat, serve, DPO, eval, plot
     8. verification: the NVRTC compile check, the self-test, the gradient check
