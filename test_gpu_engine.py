@@ -84,13 +84,6 @@ def test_the_module_map_names_every_section():
     assert [int(n) for n, _ in bars] == list(range(1, len(bars) + 1))
 
 
-def test_importing_the_gpu_engine_loads_no_server_exporter_or_launcher():
-    """serve, export, evaluate and distributed load in the modes that use them, not on import."""
-    r = subprocess.run([sys.executable, "-c", "import nanoeuler_cuda, sys; print(sorted(m for m in ('serve', 'export', "
-                        "'evaluate', 'distributed') if m in sys.modules))"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout == "[]\n", (r.stdout, r.stderr)
-
-
 def test_gpu_engine_imports_without_numba():
     r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; import nanoeuler_cuda"],
                        cwd=ROOT, capture_output=True, text=True)
