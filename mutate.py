@@ -183,8 +183,9 @@ def main():
     p.add_argument("-k", default="", help="only the mutants whose name holds this (default: all)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
-    p.add_argument("--tests", nargs="+", default=["test_reference.py", "-k", "not torch"],   # (torch: the reference's own)
-                   help="pytest arguments (default: test_reference.py -k 'not torch')")
+    p.add_argument("--tests", nargs="+", default=["test_reference.py", "test_cli.py::test_every_cli_mistake_gets_one_line",
+                                                  "-k", "not torch"],   # (torch: the reference's own)
+                   help="pytest arguments (default: test_reference.py and test_cli.py's mistakes, -k 'not torch')")
     p.add_argument("--timeout", type=int, default=300, help="seconds one mutant's tests may take (default 300)")
     a = p.parse_args()
     mutants = [m for m in MUTANTS if a.k in m[0]]
