@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import asdict, dataclass, fields
@@ -247,6 +248,35 @@ def existing_file(path, what):
         raise UserError(f"{what} {path} is a folder; give the file itself")
     if not os.path.isfile(path):
         raise UserError(f"{what} not found: {path}")
+    return path
+
+
+def writable(path, what, folder=False, force=False):
+    """path, if it can be written: a folder (folder=True: a run folder, an HF export; an existing one is
+    fine, a file is never replaced) or a file (its folder must exist; one already there only with force).
+    Checked before any slow work by a probe that leaves nothing behind (a temporary folder made and removed
+    in the nearest existing folder), so /proc, a read-only disk or a missing permission are found too.
+    Makes nothing; a clear one-line UserError otherwise."""
+    full = os.path.abspath(path)
+    if folder and os.path.exists(full) and not os.path.isdir(full):
+        raise UserError(f"{what} {path} is a file; give a folder (a new one, or one of yours to write into)")
+    if not folder:
+        if os.path.isdir(full):
+            raise UserError(f"{what} {path} is a folder; give a file name")
+        if os.path.exists(full) and not force:
+            raise UserError(f"{what} {path} exists; give --force to replace it")
+        if not os.path.isdir(os.path.dirname(full)):
+            raise UserError(f"{what} {path}: the folder {os.path.dirname(path) or '.'} does not exist; make it first")
+    probe = full if folder else os.path.dirname(full)
+    while not os.path.exists(probe):                # the nearest existing part of the path
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UserError(f"{what} {path} cannot be made: {os.path.relpath(probe) if probe != full else path} "
+                        "is a file, not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".nanoeuler-probe-", dir=probe))
+    except OSError as e:
+        raise UserError(f"{what} {path} cannot be written ({e.strerror} in {probe}); give another path") from None
     return path
 
 
