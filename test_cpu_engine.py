@@ -532,3 +532,195 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
     assert "instruction model" in r.stdout and "kept its last" in r.stderr
     r = run_cli("chat", "--ckpt", base / "ckpt.npz", "--tokens", 10, stdin="The\n", env_extra=env)
     assert r.returncode == 0 and "base model" in r.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# issue 36 (H-tests36b): batched streams against single streams, chat history, SFT examples without a
+# response, the last step's validation, the checkpoint under a crash between write and rename
+
+def _replay_streams(logits_of, prompt, n, max_new, temperature, penalty, seed):
+    """The batch's contract written apart from pipeline.Sampling: stream r is stream r sampled alone, from the
+    logits of r's own ids (logits_of(ids), one sequence, uncached) and with the repetition penalty (CTRL's rule:
+    positive logits of seen ids / penalty, negative x penalty) of r's own history; one generator, each step
+    drawing one uniform per stream in stream order and inverting the cumulative distribution (greedy: the first
+    argmax, no draw)."""
+    rng = np.random.default_rng(seed)
+    ids = [list(prompt) for _ in range(n)]
+    for _ in range(max_new):
+        for r in range(n):
+            z = np.array(logits_of(ids[r]), np.float64)
+            seen = sorted(set(ids[r]))
+            z[seen] = np.where(z[seen] > 0, z[seen] / penalty, z[seen] * penalty)
+            if temperature <= 0:
+                ids[r].append(int(np.argmax(z)))
+                continue
+            p = np.exp((z - z.max()) / temperature)
+            cdf = np.cumsum(p / p.sum())
+            ids[r].append(int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(z) - 1)))
+    return [x[len(prompt):] for x in ids]
+
+
+@pytest.mark.parametrize("temperature, penalty", [(0.0, 1.0), (0.0, 1.5), (1.0, 1.0), (1.0, 1.5)])
+def test_batched_streams_sample_their_own_logits_and_history(temperature, penalty):
+    """Authority: each stream alone (one forward per stream on its own ids, uncached) and the sampling rule
+    written out here (_replay_streams): a batch that draws every stream from stream 0's logits, penalises with
+    stream 0's history, or feeds stream 0's token to all, gives other ids once the streams part."""
+    P = pl.Params.init(pl.CONFIGS["tiny"], 3)
+    P.flat *= 3                                  # logits of a few units: streams part, no near-ties to round
+    prompt, n, max_new = [5, 6, 7], 4, 24
+    sampling = pl.Sampling(temperature, top_k=0, repetition_penalty=penalty)
+    got = ne.generate_batch(P, prompt, n, max_new, sampling, np.random.default_rng(11))
+    want = _replay_streams(lambda ids: ne.forward(P, np.array([ids], np.int32))[-1], prompt, n, max_new,
+                           temperature, penalty, 11)
+    assert got == want
+    if temperature > 0:
+        assert len({tuple(g) for g in got}) == n, got               # the streams part: the test has teeth
+    else:
+        assert got == [list(ne.generate(P, prompt, max_new, sampling=sampling))] * n
+
+
+@pytest.mark.gpu
+def test_gpu_batched_streams_sample_their_own_logits_and_history():
+    """Authority: as test_batched_streams_sample_their_own_logits_and_history, for the GPU engine's batch
+    sampler (nanoeuler_cuda.Sampler.generate_batch): each stream equals its own stream alone, from the CPU
+    engine's uncached forward of its own ids and its own history, drawing in stream order. Peaked weights
+    (as test_gpu_generation_matches_cpu_engine) leave no near-ties for the device's rounding to flip."""
+    import nanoeuler_cuda as nc
+    P = nc.gradcheck_params(pl.CONFIGS["tiny"], np.random.default_rng(2), scale=0.3)
+    prompt, n, max_new = list(range(5, 21)), 4, 40
+    sampler = nc.Sampler(P, streams=n)
+    logits_of = lambda ids: ne.forward(P, np.array([ids], np.int32))[-1]
+    for temperature, penalty in ((0.0, 1.5), (1.0, 1.0), (1.0, 1.5)):
+        sampling = pl.Sampling(temperature, top_k=0, repetition_penalty=penalty)
+        got = sampler.generate_batch(prompt, n, max_new, sampling, np.random.default_rng(11))
+        assert got == _replay_streams(logits_of, prompt, n, max_new, temperature, penalty, 11), (temperature, penalty)
+        if temperature > 0:
+            assert len({tuple(g) for g in got}) > 1, got                # the streams part: the test has teeth
+
+
+def test_chat_history_drops_the_oldest_turns_when_the_context_is_full():
+    """Authority: CONTRACT.md (a chat's blocks run oldest first) and the chat convention of every chat front
+    end (llama.cpp's context shift, OpenAI's guidance to trim the earliest messages): the next answer depends
+    on the newest turns, so the oldest go first; a conversation that fits the budget, max(ctx - max_new,
+    ctx / 2), loses nothing, even at the budget exactly."""
+    turns = [([10, 11], [12, 13]), ([20, 21], [22, 23]), ([30, 31], [32, 33])]      # 4 ids a turn
+    user = [40, 41, 42]
+    # ctx 20, 8 to answer: a budget of 12; all 15 ids do not fit, the newest turn and the question (7) do,
+    # and so do the two newest (11): only the oldest goes
+    assert pl.fit_turns(turns, user, 20, 8) == ([20, 21, 22, 23, 30, 31, 32, 33, 40, 41, 42], 1)
+    # a budget of 15 (ctx 23): everything fits exactly
+    assert pl.fit_turns(turns, user, 23, 8) == ([t for u, a in turns for t in u + a] + user, 0)
+    # a budget of 7 (ctx 14, max_new 7): the newest turn and the question alone
+    assert pl.fit_turns(turns, user, 14, 7) == ([30, 31, 32, 33, 40, 41, 42], 2)
+    # a budget of 3: every turn goes, the question stays whole (fit_prompt cuts it, not fit_turns)
+    assert pl.fit_turns(turns, user, 6, 3) == (user, 3)
+
+
+def test_sft_example_without_a_counted_response_token_is_skipped():
+    """Authority: CONTRACT.md (SFT template): the loss counts the response tokens and the closing
+    <|endoftext|>, every other target is -1. An example cut so short that no response token is left would
+    train on nothing: sft_example refuses it (None), SFTBatches skips it, and when none is left says why.
+    One position more and it counts exactly the response's first token."""
+    tok = bpe.Tokenizer([])
+    ex = {"instruction": "Say hi.", "output": "hi"}
+    prompt = tok.encode(pl.format_prompt(ex["instruction"]))
+    assert pl.sft_example(tok, ex, len(prompt) - 1) is None         # the prompt fills every position
+    assert pl.sft_example(tok, dict(ex, output=""), len(prompt) - 1) is None
+    ids, targets = pl.sft_example(tok, ex, len(prompt))            # one position to spare: "h" counts
+    assert ids.tolist() == prompt and targets[-1] == ord("h") and (targets >= 0).sum() == 1
+    ids, targets = pl.sft_example(tok, dict(ex, output=""), len(prompt) + 5)   # no output: <|endoftext|> alone counts
+    assert targets[targets >= 0].tolist() == [tok.eot]
+    short = {"instruction": "Hi.", "output": "hi"}
+    n_short = len(tok.encode(pl.format_prompt("Hi.")))
+    long_ = {"instruction": "Hi. " + "x" * 40, "output": "hi"}
+    b = pl.SFTBatches(tok, [long_, short, long_], 4, n_short + 1)
+    assert len(b.examples) == 1
+    x, y = b.next()
+    assert ((y >= 0).sum(1) > 0).all()                              # every row trains on something
+    with pytest.raises(pl.UserError, match="--seq"):
+        pl.SFTBatches(tok, [long_], 4, n_short + 1)
+
+
+class _FakeTrainer:
+    """A trainer that learns nothing (the loop's bookkeeping is what is checked)."""
+    sync_every_step = True
+
+    def __init__(self, P):
+        self.P, self.pending = P, []
+
+    def step(self, x, y, lr):
+        self.pending.append((3.0, [3.0], 1.0))
+
+    def results(self):
+        done, self.pending = self.pending, []
+        return done
+
+    def host_state(self):
+        return self.P, self.P, self.P
+
+
+@pytest.mark.parametrize("steps, eval_every", [(5, 2), (7, 3), (4, 2)])
+def test_last_step_is_validated(tmp_path, steps, eval_every, capsys):
+    """Authority: the report's 'final validation loss' is the final weights': the last step logs a val loss
+    even when steps % eval_every != 0, besides every eval_every-th step."""
+    P, tok = pl.Params.init(pl.CONFIGS["tiny"], 0), bpe.Tokenizer([])
+    batches = pl.Batches(np.arange(4000) % 256, 2, 8)
+    args = dict(steps=steps, lr=1e-3, warmup=0, eval_every=eval_every, sample_every=0, ckpt_every=1000,
+                log_every=1000)
+    pl.train_loop(_FakeTrainer(P), tok, batches, args, str(tmp_path), val_fn=lambda: (2.5, 1.0))
+    recs = [json.loads(line) for line in open(tmp_path / "train_log.jsonl")]
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    want = sorted({s for s in range(1, steps + 1) if s % eval_every == 0} | {steps})
+    assert [r["step"] for r in recs if "val_loss" in r] == want
+    assert recs[-1]["val_loss"] == 2.5
+
+
+def _ckpt(P0, seed):
+    P = pl.Params.init(P0.cfg, seed)
+    return P, {"step": seed, "adam_m": P, "adam_v": P, "data": None, "train": {}}
+
+
+def test_checkpoint_survives_a_crash_between_write_and_rename(tmp_path, monkeypatch):
+    """Authority: CONTRACT.md (checkpoint file: written to a temporary file in the same folder and renamed
+    over the old one, so that a crash never leaves a half-written checkpoint) and POSIX rename(2), which
+    replaces the name atomically. A crash before the rename (os.replace raises) or in the middle of the write
+    (np.savez raises half-way) leaves the previous checkpoint whole and loadable, and no other file."""
+    tok = bpe.Tokenizer([])
+    path = str(tmp_path / "ckpt.npz")
+    old, state = _ckpt(pl.Params.init(pl.CONFIGS["tiny"], 0), 1)
+    pl.save_checkpoint(path, old, tok, state)
+    new, new_state = _ckpt(old, 2)
+
+    def crash(*a, **k):
+        raise OSError("simulated crash")
+    real_savez = np.savez
+
+    def half_write(f, **arrays):                 # the first half of the arrays, then the crash
+        real_savez(f, **dict(list(arrays.items())[:len(arrays) // 2]))
+        raise OSError("simulated crash")
+    for target, fake in ((os, "replace"), (np, "savez")):
+        with monkeypatch.context() as m:
+            m.setattr(target, fake, crash if fake == "replace" else half_write)
+            with pytest.raises(OSError, match="simulated crash"):
+                pl.save_checkpoint(path, new, tok, new_state)
+        assert os.listdir(tmp_path) == ["ckpt.npz"], fake            # no partial or temporary file is left
+        P, _, st, _ = pl.load_checkpoint(path, want_state=True)
+        assert np.array_equal(P.flat, old.flat) and st["step"] == 1, fake
+    pl.save_checkpoint(path, new, tok, new_state)                     # and the next write goes through
+    assert np.array_equal(pl.load_checkpoint(path)[0].flat, new.flat)
+
+
+def test_checkpoint_replaces_the_file_a_reader_holds_by_rename(tmp_path):
+    """Authority: POSIX rename(2): the new checkpoint is a new file put in the old one's place, so a reader
+    that opened the old one (a sampler, an export) goes on reading it whole; a write in place or a copy over
+    it would change the bytes under the reader."""
+    tok = bpe.Tokenizer([])
+    path = tmp_path / "ckpt.npz"
+    old, state = _ckpt(pl.Params.init(pl.CONFIGS["tiny"], 0), 1)
+    pl.save_checkpoint(str(path), old, tok, state)
+    want = path.read_bytes()
+    with open(path, "rb") as reader:
+        new, new_state = _ckpt(old, 2)
+        pl.save_checkpoint(str(path), new, tok, new_state)
+        assert reader.read() == want
+    assert path.read_bytes() != want and os.listdir(tmp_path) == ["ckpt.npz"]
