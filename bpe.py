@@ -444,8 +444,11 @@ def main(argv=None):
         p.add_argument("--allow-special", action=argparse.BooleanOptionalAction, default=True,
                        help="literal '<|endoftext|>' in the file is the special token (default on)")
         p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    import pipeline as pl                            # which imports this module: loaded by the command line alone
     try:
         args = ap.parse_args(argv)
+        if args.command != "stats":                  # an unusable -o is found before the slow work
+            pl.writable(args.out, "-o", force=True)  # (a file there is replaced, as make data wants)
         if args.command == "train":
             t0 = time.perf_counter()
             tok = Tokenizer.train(_read_text(args.file), args.vocab, verbose=True)
@@ -468,8 +471,10 @@ def main(argv=None):
                   f"time {secs:.2f} s  {n_bytes / 1e6 / secs:.2f} MB/s")
     except OSError as e:
         sys.exit(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}")
-    except ValueError as e:
+    except (ValueError, pl.UserError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -358,27 +358,33 @@ def import_hf(folder, mtp="keep", seed=0):
 # ----------------------------------------------------------------------------------------------------
 # modes (nanoeuler.py export / import)
 
-def _free(path, force):
+def _free(path, force, folder=False):
+    """--out checked before the slow work: writable (pl.writable), and not already there unless --force."""
+    pl.writable(path, "--out", folder=folder, force=True)
     if os.path.exists(path) and not force:
         raise UserError(f"{path} exists: use another --out or --force")
     return path
 
 
 def cmd_export(a):
+    _free(a.out, a.force, folder=a.format == "hf")
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     if a.format == "hf":
-        written = export_hf(P, tok, extra, _free(a.out, a.force))
+        written = export_hf(P, tok, extra, a.out)
         print(f"wrote {a.out}: {', '.join(written)} (LlamaForCausalLM, {pl.num_params(P.cfg):,} parameters; "
               f"AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it)")
     else:
-        export_gguf(P, tok, _free(a.out, a.force), a.dtype)
+        export_gguf(P, tok, a.out, a.dtype)
         left = f" (head 0 only: llama.cpp has no place for the {P.cfg.n_mtp - 1} MTP heads)" if P.cfg.n_mtp > 1 else ""
         print(f"wrote {a.out}: GGUF llama, {a.dtype}, {os.path.getsize(a.out) / 1e6:.1f} MB{left}")
 
 
 def cmd_import(a):
-    out = a.out if a.out.endswith(".npz") else os.path.join(a.out, "ckpt.npz")
-    _free(out, a.force)
+    npz = a.out.endswith(".npz")
+    pl.writable(os.path.dirname(a.out) or "." if npz else a.out, "--out", folder=True)   # made if new
+    out = a.out if npz else os.path.join(a.out, "ckpt.npz")
+    if os.path.exists(out):
+        _free(out, a.force)
     P, tok, kind = import_hf(a.hf, a.mtp)
     pl.save_checkpoint(out, P, tok, extra={"kind": kind})
     print(f"wrote {out}: {kind} model {P.cfg}, {pl.num_params(P.cfg):,} parameters, tokenizer of "

@@ -10,7 +10,6 @@ Relative error of one entry: |analytic - numeric| / max(|analytic|, |numeric|, 1
 the largest over its checked entries (all of them for small tensors, a random sample for large ones).
 In float64 a right backward lands near 1e-7; a dropped term lands near 1.
 """
-import argparse
 import sys
 import time
 
@@ -182,22 +181,9 @@ def report(title, results):
     return worst
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):                        # one line, not usage + message
-        raise ValueError(f"{message} (see {self.prog} --help)")
-
-
-def main(argv):
-    p = _Parser(prog="gradcheck.py", description=__doc__.strip().split("\n\n", 1)[1],
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="model", choices=("model", "ops", "dpo", "all"),
-                   help="model: the whole model (default); ops: each op alone; dpo: the DPO loss through the whole "
-                        "model; all: the three (make check)")
-    try:
-        mode = p.parse_args(argv).mode
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def check(mode, argv):
+    """One mode: the checks it names; -> 1 when a backward fails (its exit status), None when all pass."""
+    pl.Parser(prog=f"gradcheck.py {mode}", description=MODES[mode][0]).parse_args(argv)   # --help; no flags
     t0 = time.time()
     worst = ("", 0.0)
     if mode in ("ops", "all"):
@@ -211,8 +197,21 @@ def main(argv):
         print(f">>> backward FAIL: {worst[0]} max rel err {worst[1]:.2e} (>= {TOL:g})")
         return 1
     print(f">>> backward OK (error < {TOL:g}; worst {worst[1]:.2e} in {worst[0]}; {time.time() - t0:.1f} s)")
-    return 0
+
+
+MODES = {mode: (text, lambda argv, mode=mode: check(mode, argv)) for mode, text in (
+    ("model", "the whole model: every parameter tensor and the path into the embeddings (the mode run without one)"),
+    ("ops", "each op alone, so that a failure names the op"),
+    ("dpo", "the DPO loss (CONTRACT.md) through the whole model"),
+    ("all", "the three (make check)"))}
+
+
+def main(argv=None):
+    """As the engines' modes (pl.run_main): 0 when every check passes, 1 for a failed check or a mistake (one
+    error line), 130 for Ctrl-C."""
+    return pl.run_main("gradcheck.py", "\n\n".join(__doc__.strip().split("\n\n")[::2]), MODES, {"": "model"},
+                       sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -5018,10 +5018,16 @@ def bench_scaling(a, cfg, batches, T, precisions, group):
         best = max((r for r in rows if r["precision"] == prec), key=lambda r: r["one"]["tok_s"])
         print(f"{prec}: at the best single-GPU batch, B={best['B']}, {W} GPUs give {best['speedup']:.2f}x the tokens/s "
               f"of one ({best['all']['tok_s']:,.0f} against {best['one']['tok_s']:,.0f})")
-    if a.json and group.rank == 0:
+    bench_json(a.json if group.rank == 0 else None, device=name, gpus=W, config=a.config, T=T, peak_tflops=PEAK_TFLOPS,
+               rows=rows)
+
+
+def bench_json(path, **results):
+    """bench --json PATH: the results as JSON (nothing without a path)."""
+    if path:
         import json
-        with open(a.json, "w") as f:
-            json.dump(dict(device=name, gpus=W, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows), f, indent=1)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 def cmd_bench(argv):
@@ -5043,6 +5049,8 @@ def cmd_bench(argv):
                    "ZeRO-1; B per GPU): tokens/s of each, the speed-up, MFU and memory per GPU (default: one GPU, "
                    "the usual tables); bf16 only unless --precision says otherwise")
     a = p.parse_args(argv)
+    if a.json:
+        pl.writable(a.json, "--json", force=True)    # before the minutes of timing; a file there is replaced
     try:
         batches = [int(b) for b in a.batches.split(",")]
     except ValueError:
@@ -5065,9 +5073,10 @@ def cmd_bench(argv):
     if group is not None:                           # one rank of bench --gpus N
         group.run(lambda: bench_scaling(a, cfg, batches, T, precisions if a.precision else precisions[:1], group))
     gpu()
-    if a.only == "generation":
-        return print_bench_generation(a, cfg)
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    if a.only == "generation":                      # a mode returns None on success (an int is an exit status)
+        bench_json(a.json, device=name, config=a.config, generation=print_bench_generation(a, cfg))
+        return
     print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, flash attention; "
           f"{a.steps} steps back to back after 3 warm-up steps; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16 "
           f"peak of an H100/H200 SXM) for every precision")
@@ -5101,11 +5110,8 @@ def cmd_bench(argv):
     print(f"flash bf16 vs flash fp32: {att['flash-fp32'][1] / att['flash-bf16'][1]:.1f}x, vs naive: "
           f"{att['naive'][1] / att['flash-bf16'][1]:.1f}x (fwd+bwd)")
     gen = print_bench_generation(a, cfg) if a.only != "train" else None
-    if a.json:
-        import json
-        with open(a.json, "w") as f:
-            json.dump(dict(device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att,
-                           generation=gen), f, indent=1)
+    bench_json(a.json, device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att,
+               generation=gen)
 
 
 def print_bench_generation(a, cfg):

@@ -542,9 +542,10 @@ def make_server(a, tok, cfg, chat, generate, quiet=False):
     defaults = dict(asdict(pl.sampling_of(a)), max_tokens=a.tokens)
     requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed)
     if a.log:
+        pl.writable(a.log, "--log", force=True)       # appended to: one already there is fine
         try:
             open(a.log, "a").close()
-        except OSError as e:
+        except OSError as e:                          # a file there that is not ours to write
             raise pl.UserError(f"--log {a.log}: cannot write it ({e.strerror})") from None
     with open(PAGE, "rb") as f:
         page = f.read()

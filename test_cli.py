@@ -9,6 +9,7 @@ every config name works in every mode of both engines. No GPU needed. The modes 
 """
 import os
 import re
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,77 @@ def test_one_dispatch_lists_the_modes_and_their_letters(capsys):
         run("bug")
 
 
+def test_modes_return_none_or_an_exit_status():
+    """run_main takes a mode's int as its exit status: a mode returns None on success and an int only where it
+    means one (a failed check, a failed rank), through every call it returns. GPU bench --only generation
+    returned its dict of speeds, which sys.exit printed, exiting 1."""
+    import ast
+    trees = {m: ast.parse((ROOT / f"{m}.py").read_text()) for m in ("nanoeuler", "nanoeuler_cuda", "gradcheck",
+                                                                       "distributed")}
+    funcs = {(m, f.name): f for m, tree in trees.items() for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+    def returns(f):                                  # f's return statements, not those of functions inside it
+        todo, found = list(f.body), []
+        while todo:
+            n = todo.pop()
+            found += [n] * isinstance(n, ast.Return)
+            todo += [] if isinstance(n, (ast.FunctionDef, ast.Lambda)) else list(ast.iter_child_nodes(n))
+        return found
+
+    def status(m, e, seen):                          # e is None, an int, or a call of a function returning those
+        if e is None or isinstance(e, ast.Constant) and (e.value is None or type(e.value) is int):
+            return True
+        if isinstance(e, ast.IfExp):
+            return status(m, e.body, seen) and status(m, e.orelse, seen)
+        name = ast.unparse(e.func) if isinstance(e, ast.Call) else ""
+        key = tuple(name.split(".")) if "." in name else (m, name)
+        return key in funcs and (key in seen or all(status(key[0], r.value, seen | {key}) for r in returns(funcs[key])))
+    modes = [k for k in funcs if k[1].startswith("cmd_") or k == ("gradcheck", "check")]
+    assert len(modes) >= 23
+    bad = [f"{m}.{name} line {r.lineno}: return {ast.unparse(r.value)}" for m, name in modes
+           for r in returns(funcs[m, name]) if not status(m, r.value, {(m, name)})]
+    assert not bad, bad
+
+
+def test_every_command_line_keeps_one_rule_for_mistakes():
+    """0 on success, 1 and one error line for a mistake (a misspelt mode gets the nearest name), 130 for Ctrl-C
+    (test_ctrl_c_exits_130_everywhere): gradcheck.py exited 2 for bad arguments and named no mode."""
+    for script, args, words in (("nanoeuler.py", ["trian"], ["did you mean train?"]),
+                                ("nanoeuler_cuda.py", ["trian"], ["did you mean train?"]),
+                                ("gradcheck.py", ["modle"], ["did you mean model?"]),
+                                ("gradcheck.py", ["model", "--fast"], ["unrecognized arguments: --fast"]),
+                                ("bpe.py", ["trian"], ["invalid choice"])):
+        r = run_engine(script, *args)
+        assert r.returncode == 1 and one_error_line(r, *words), (script, args, r.returncode, r.stderr)
+
+
+def _interrupted(script, *args, ready="", env=None):
+    """(exit status, stderr) of a command sent Ctrl-C (SIGINT) once it printed a line holding `ready`."""
+    p = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                                                                  **(env or {})))
+    try:
+        for line in p.stdout:
+            if ready in line:
+                break
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+        return p.returncode, err
+    finally:
+        p.kill()
+
+
+def test_ctrl_c_exits_130_everywhere(one_step_ckpt, corpus, tmp_path):
+    """Ctrl-C ends every mode with status 130 and no traceback (gradcheck.py ended with a traceback)."""
+    path, env = corpus
+    for script, args, ready in (
+            ("nanoeuler.py", ["train", "--data", path, "--out", tmp_path / "run", "--steps", 10 ** 6, "--batch", 2,
+                              "--seq", 32, "--sample-every", 0], "step"),
+            ("gradcheck.py", ["all"], "")):
+        rc, err = _interrupted(script, *args, ready=ready, env=env)
+        assert rc == 130 and "Traceback" not in err, (script, args, rc, err)
+
+
 def test_sample_takes_the_prompt_as_a_word_or_a_flag(monkeypatch, one_step_ckpt):
     """As the GPU engine's `i "It was"`: the word, or --prompt, or a newline; two different prompts are a mistake."""
     assert pl.prompt_arg(cpu_args(monkeypatch, "i", "It was")) == "It was"
@@ -278,6 +350,7 @@ def _cli_cases(d):
         tok.save(os.path.join(d, f"{name}.bpe"))
     big.save(os.path.join(d, "big", "tokenizer.bpe"))
     os.makedirs(os.path.join(d, "sft", "folder.json"))
+    os.makedirs(os.path.join(d, "dir.npz"))
     base = _save(os.path.join(d, "base", "ckpt.npz"), pl.Config(**{**pl.asdict(TINY), "ctx": 256}))  # a prompt fits
     lacking = _save(os.path.join(d, "lacking.npz"), edit=lambda a: a.pop("layers.1.wq"))
     nan = _save(os.path.join(d, "nan.npz"), edit=lambda a: a["layers.2.w2"].__setitem__((3, 4), np.nan))
@@ -327,6 +400,27 @@ def _cli_cases(d):
         ("sft --steps 0", sft("good.json", "--steps", 0), ["--steps 0"]),
         ("sft over a checkpoint", ["sft", "--ckpt", base, "--data", j("sft", "good.json"), "--out", j("sftdone"),
                                    "--steps", 1], ["ckpt.npz exists", "--force"]),
+        # outputs that cannot be written: found before any work (pl.writable), whatever --force says
+        ("export hf over a file", ["export", "--ckpt", base, "--format", "hf", "--out", j("a.txt"), "--force"],
+         ["--out", "a.txt is a file"]),
+        ("export gguf, no folder", ["export", "--ckpt", base, "--format", "gguf", "--out", "/nonexistent/dir/m.gguf"],
+         ["/nonexistent/dir/m.gguf", "/nonexistent/dir does not exist"]),
+        ("export gguf over a folder", ["export", "--ckpt", base, "--format", "gguf", "--out", j("sft"), "--force"],
+         ["--out", "is a folder"]),
+        ("export to /proc", ["export", "--ckpt", base, "--out", "/proc/x"], ["--out /proc/x cannot be written"]),
+        ("import over a file", ["import", "--hf", j("nohf"), "--out", j("a.txt")], ["--out", "a.txt is a file"]),
+        ("import under a file", ["import", "--hf", j("nohf"), "--out", j("a.txt", "m.npz")], ["a.txt is a file"]),
+        ("import over a checkpoint", ["import", "--hf", j("nohf"), "--out", j("base")], ["ckpt.npz exists", "--force"]),
+        ("import over a folder", ["import", "--hf", j("nohf"), "--out", j("dir.npz"), "--force"],
+         ["--out", "is a folder"]),
+        ("serve --log a folder", ["serve", "--ckpt", base, "--log", j("sft")], ["--log", "is a folder"]),
+        ("bpe.py train -o a folder", ["bpe.py", "train", j("a.txt"), "--vocab", 300, "-o", j("sft")],
+         ["-o", "is a folder"]),
+        ("bpe.py encode -o no folder", ["bpe.py", "encode", j("data.bpe"), j("a.txt"), "-o", j("none", "x.bin")],
+         ["-o", "x.bin", "does not exist"]),
+        ("GPU bench --json a folder", ["nanoeuler_cuda.py", "bench", "--json", j("sft")], ["--json", "is a folder"]),
+        ("GPU bench --json in /proc", ["nanoeuler_cuda.py", "bench", "--json", "/proc/b.json"],
+         ["--json /proc/b.json cannot be written"]),
     ]
 
 
@@ -336,7 +430,8 @@ def cli_results(tmp_path_factory):
 
     def run(case):
         name, argv, words = case
-        return name, (run_engine("nanoeuler.py", *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
+        script, argv = (argv[0], argv[1:]) if argv[0].endswith(".py") else ("nanoeuler.py", argv)
+        return name, (run_engine(script, *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
                                  timeout=300), words)
     with ThreadPoolExecutor(4) as pool:
         return dict(pool.map(run, _cli_cases(d)))
