@@ -25,7 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# (name, file, [(old, new, times)]): old must occur exactly `times` times in the file
+# the tests that must catch a mutant unless it names its own: the reference and the usage mistakes (36 tests)
+DEFAULT_TESTS = ("test_reference.py", "test_cli.py::test_every_cli_mistake_gets_one_line", "-k", "not torch")
+_RENAME = "        os.replace(tmp, path)\n    finally:"            # save_checkpoint's (start_log renames too)
+# the tests of issue 36's contracts, which its mutants name
+_HELLASWAG = ("test_evaluate.py::test_hellaswag_acc_and_acc_norm_of_a_hand_computed_item",)
+_STREAMS = ("test_cpu_engine.py::test_batched_streams_sample_their_own_logits_and_history",)
+_CHAT = ("test_cpu_engine.py::test_chat_history_drops_the_oldest_turns_when_the_context_is_full",)
+_SFT = ("test_cpu_engine.py::test_sft_example_without_a_counted_response_token_is_skipped",)
+_LAST_VAL = ("test_cpu_engine.py::test_last_step_is_validated",)
+_CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and_rename",
+         "test_cpu_engine.py::test_checkpoint_replaces_the_file_a_reader_holds_by_rename")
+
+# (name, file, [(old, new, times)][, pytest arguments]): old must occur exactly `times` times in the file; the
+# tests are DEFAULT_TESTS unless the mutant names its own (or --tests overrides them all)
 MUTANTS = [
     # optimiser
     ("adamw beta2 0.999", "nanoeuler.py", [("beta2=0.95,", "beta2=0.999,", 1)]),
@@ -124,7 +137,7 @@ MUTANTS = [
      [('name.endswith((".wo", ".w2")) else 0.02', 'name.endswith((".wo", ".w2")) else 0.01', 1)]),
     # checkpoints
     ("checkpoint written in place", "pipeline.py", [('with open(tmp, "wb") as f:', 'with open(path, "wb") as f:', 1),
-                                                    ("os.replace(tmp, path)", "pass", 1)]),
+                                                    (_RENAME, "        pass\n    finally:", 1)]),
     ("failed write leaves its temporary file", "pipeline.py",
      [("if os.path.exists(tmp):                      # a failed", "if False:                      # a failed", 1)]),
     ("checkpoint not flushed to disk", "pipeline.py", [("os.fsync(f.fileno())", "pass", 1)]),
@@ -138,6 +151,47 @@ MUTANTS = [
     # tokenizer
     ("decode passes bad bytes as surrogates", "bpe.py",
      [('.decode("utf-8", "replace")', '.decode("utf-8", "surrogateescape")', 1)]),
+    # issue 36: evaluation
+    ("acc_norm over tokens, not characters", "evaluate.py",
+     [('norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]', "norm = [s / n for s, n in zip(sums, ns)]", 1)],
+     _HELLASWAG),
+    ("acc_norm over bytes, not characters", "evaluate.py",
+     [('norm = [s / len(" " + e) for s, e', 'norm = [s / len((" " + e).encode()) for s, e', 1)], _HELLASWAG),
+    ("hellaswag sums the context too", "evaluate.py",
+     [("sums = [float(np.sum(lp[len(lp) - n:]))", "sums = [float(np.sum(lp))", 1)], _HELLASWAG),
+    ("hellaswag scores one context token too many", "evaluate.py",
+     [("sums = [float(np.sum(lp[len(lp) - n:]))", "sums = [float(np.sum(lp[len(lp) - n - 1:]))", 1)], _HELLASWAG),
+    ("acc picks the normalised argmax", "evaluate.py",
+     [("preds.append((int(np.argmax(sums)),", "preds.append((int(np.argmax(norm)),", 1)], _HELLASWAG),
+    # issue 36: batched generation
+    ("batch streams sample stream 0's logits", "nanoeuler.py",
+     [("outs[r].append(sampling.sample(logits[r], ids[r], rng))", "outs[r].append(sampling.sample(logits[0], ids[r], rng))", 1)],
+     _STREAMS),
+    ("batch penalty from stream 0's history", "nanoeuler.py",
+     [("outs[r].append(sampling.sample(logits[r], ids[r], rng))", "outs[r].append(sampling.sample(logits[r], ids[0], rng))", 1)],
+     _STREAMS),
+    ("batch feeds stream 0's token to every stream", "nanoeuler.py",
+     [("forward_cached(P, [[o[-1]] for o in outs], cache)", "forward_cached(P, [[outs[0][-1]] for o in outs], cache)", 1)],
+     _STREAMS),
+    # issue 36: chat history, SFT examples, the last step, checkpoints
+    ("chat history drops the newest turns", "pipeline.py",
+     [("for u, a in turns[dropped:] for t in u + a] + user", "for u, a in turns[:len(turns) - dropped] for t in u + a] + user",
+       1)], _CHAT),
+    ("chat history trimmed at the budget exactly", "pipeline.py",
+     [("while dropped < len(turns) and total > budget:", "while dropped < len(turns) and total >= budget:", 1)], _CHAT),
+    ("chat history without the half-context floor", "pipeline.py",
+     [("budget = max(ctx - max_new, ctx // 2)", "budget = ctx - max_new", 1)], _CHAT),
+    ("sft example with no response token accepted", "pipeline.py",
+     [("if len(seq) <= len(prompt):", "if len(seq) < len(prompt):", 1)], _SFT),
+    ("sft batches keep the examples that do not fit", "pipeline.py",
+     [("self.examples = [e for e in encoded if e is not None]", "self.examples = [e for e in encoded]", 1)], _SFT),
+    ("last step not validated", "pipeline.py",
+     [('(step % args["eval_every"] == 0 or step == steps)', '(step % args["eval_every"] == 0)', 1)], _LAST_VAL),
+    ("checkpoint copied over the old one", "pipeline.py",
+     [(_RENAME, '        with open(tmp, "rb") as src, open(path, "wb") as dst:\n            dst.write(src.read())\n'
+       "    finally:", 1)], _CKPT),
+    ("checkpoint's temporary file is the checkpoint", "pipeline.py",
+     [('    tmp = f"{path}.{os.getpid()}.tmp"\n    try:', "    tmp = path\n    try:", 1)], _CKPT),
 ]
 
 
@@ -183,38 +237,41 @@ def main():
     p.add_argument("-k", default="", help="only the mutants whose name holds this (default: all)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
     p.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
-    p.add_argument("--tests", nargs="+", default=["test_reference.py", "test_cli.py::test_every_cli_mistake_gets_one_line",
-                                                  "-k", "not torch"],   # (torch: the reference's own)
-                   help="pytest arguments (default: test_reference.py and test_cli.py's mistakes, -k 'not torch')")
+    p.add_argument("--tests", nargs="+", help="pytest arguments for every mutant (default: each mutant's own, else "
+                                              "test_reference.py and test_cli.py's mistakes, -k 'not torch')")
     p.add_argument("--timeout", type=int, default=300, help="seconds one mutant's tests may take (default 300)")
     a = p.parse_args()
-    mutants = [m for m in MUTANTS if a.k in m[0]]
+    mutants = [(*m[:3], tuple(a.tests or (m[3] if len(m) > 3 else DEFAULT_TESTS))) for m in MUTANTS if a.k in m[0]]
     if not mutants:
         p.error(f"no mutant's name holds {a.k!r} (see --list)")
-    for name, file, repl in mutants:                  # a stale mutant stops the run before any test
+    for name, file, repl, _ in mutants:               # a stale mutant stops the run before any test
         mutated(ROOT, file, repl)
     if a.list:
-        for name, file, _ in mutants:
+        for name, file, _, _ in mutants:
             print(f"{file:13} {name}")
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
-        base = os.path.join(tmp, "base")              # an unmutated run: the tests must pass, the cache warms
+        base = os.path.join(tmp, "base")              # unmutated runs: the tests must pass, the cache warms
         copy_tree(ROOT, base)
-        ok, why, secs = run_tests(base, a.tests, cores, a.timeout)
-        if not ok:
-            print(f"error: the tests fail without any mutant ({why}); fix that first", file=sys.stderr)
-            return 1
+        secs = 0.0
+        for tests in dict.fromkeys(m[3] for m in mutants):      # each set of tests once, in the mutants' order
+            ok, why, took = run_tests(base, tests, cores, a.timeout)
+            if not ok:
+                print(f"error: the tests fail without any mutant ({' '.join(tests)}: {why}); fix that first",
+                      file=sys.stderr)
+                return 1
+            secs += took
         print(f"unmutated: the tests pass ({secs:.0f} s); {len(mutants)} mutants, {a.jobs} at a time", flush=True)
 
         def run(i):
-            name, file, repl = mutants[i]
+            name, file, repl, tests = mutants[i]
             folder = os.path.join(tmp, f"m{i}")
             copy_tree(base, folder)
             src = mutated(folder, file, repl)
             with open(os.path.join(folder, file), "w") as f:
                 f.write(src)
-            passed, why, secs = run_tests(folder, a.tests, max(1, cores // a.jobs), a.timeout)
+            passed, why, secs = run_tests(folder, tests, max(1, cores // a.jobs), a.timeout)
             shutil.rmtree(folder, ignore_errors=True)
             print(f"  {'SURVIVED' if passed else 'caught  '} {name} ({secs:.0f} s)", flush=True)
             return name, file, passed, why, secs

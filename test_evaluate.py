@@ -223,7 +223,7 @@ def test_gpu_eval_agrees_with_the_cpu_engine_item_for_item(model, tmp_path):
 # issue 36: HellaSwag's scores and the report's tokens against definitions written apart from the code
 
 def _stub_logprobs(tok, ctx, totals):
-    """A logprobs_fn whose sequences score each context token -1 and spread the chosen total log-prob of
+    """A logprobs_fn whose sequences score each context token -20 and spread the chosen total log-prob of
     an ending evenly over its tokens: the sums are then known by hand, whatever the model."""
     c = tok.encode(ctx)
     tails = {tuple(tok.encode(" " + e)): s for e, s in totals.items()}
@@ -233,7 +233,7 @@ def _stub_logprobs(tok, ctx, totals):
         for s in seqs:
             assert s[:len(c)] == c, "the context comes first, whole"
             tail = tuple(s[len(c):])
-            out.append(np.array([-1.0] * (len(c) - 1) + [tails[tail] / len(tail)] * len(tail)))
+            out.append(np.array([-20.0] * (len(c) - 1) + [tails[tail] / len(tail)] * len(tail)))
         return out
     return logprobs_fn
 
@@ -253,7 +253,8 @@ def test_hellaswag_acc_and_acc_norm_of_a_hand_computed_item():
     assert n_tokens == [6, 5, 8, 3] and [len(e) for e in endings] == [10, 2, 7, 2]     # unequal both ways
     assert [len(e.encode()) for e in endings] == [10, 4, 7, 2]
     # by hand: sums -11, -3, -5.5, -9.5 -> acc picks 1 (-3); per character -1.1, -1.5, -0.786, -4.75 ->
-    # acc_norm picks 2. (Per token: -1.83, -0.6, -0.69, -3.17 would pick 1; per byte of " " + ending 1 too.)
+    # acc_norm picks 2. (Per token: -1.83, -0.6, -0.69, -3.17 would pick 1; per byte of " " + ending 1 too;
+    # a sum that took in the context's tokens too, at -20 each, or just its last, would pick 0.)
     item = dict(ctx=ctx, endings=endings, label=2)
     r = evaluate.hellaswag(tok, [item], _stub_logprobs(tok, ctx, totals), 64)
     assert r["preds"] == [(1, 2, 2)]
