@@ -10,6 +10,7 @@ them, so CI runs them. A GPU test runs the GPU engine's server.
 import concurrent.futures
 import dataclasses
 import http.client
+import itertools
 import json
 import os
 import re
@@ -381,6 +382,191 @@ def test_openai_client_raises_on_mistakes(chat_server):
         c.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         c.completions.create(model="nanoeuler-custom-chat", prompt="x", max_tokens=5000)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the wire format, byte for byte, against OpenAI's API reference. A scripted engine draws known ids, so
+# each answer's text, finish_reason and token counts are known before the request is sent.
+
+SCRIPT = {                  # a prompt holding the key -> (the reply's text, closed by <|endoftext|>?)
+    "Say hello.": ("Hello there, friend. Goodbye now.", True),
+    "Count.": ("one two three four five six seven eight nine ten ", False),     # repeated without end
+}
+
+
+@pytest.fixture(scope="module")
+def scripted(model):
+    """A chat server whose engine draws the ids of the SCRIPT reply its prompt holds, then <|endoftext|> or
+    the reply again, never more than asked for."""
+    tok = model[1]
+
+    def generate(ids, n, sampling, rng):
+        text, end = next(v for k, v in SCRIPT.items() if k in tok.decode(ids))
+        reply = tok.encode(text)
+        yield from itertools.islice(reply + [tok.eot] if end else itertools.cycle(reply), n)
+
+    server = start(model, "chat", generate)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def post(server, path, body):
+    """A POST by http.client, nothing between the test and the bytes; -> (status, response, body bytes)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, r, data
+
+
+def sse_chunks(raw):
+    """An OpenAI stream read strictly (server-sent events as OpenAI sends them): the body is nothing but
+    `data: {json}\\n\\n` events, and its last event, and only that one, is `data: [DONE]\\n\\n`."""
+    events, pos = [], 0
+    for m in re.finditer(rb"data: ([^\n]*)\n\n", raw):
+        assert m.start() == pos, raw[pos:m.start() + 20]             # nothing between or around events
+        events.append(m[1])
+        pos = m.end()
+    assert pos == len(raw) and raw.endswith(b"\n\ndata: [DONE]\n\n"), raw[-80:]
+    assert events.count(b"[DONE]") == 1
+    return [json.loads(e) for e in events[:-1]]
+
+
+def expected(tok, key, max_tokens, stop=()):
+    """What OpenAI's rules make of the scripted reply: the text up to the earliest stop string (not
+    included), the finish_reason ("stop": the model ended its answer or a stop string came; "length":
+    max_tokens did) and completion_tokens: every id drawn, the closing <|endoftext|> too (a generated
+    token, which max_tokens counts: never more than max_tokens)."""
+    text, end = SCRIPT[key]
+    ids = (tok.encode(text) + [tok.eot] if end else tok.encode(text) * 4)[:max_tokens]
+    for k in range(1, len(ids) + 1):
+        drawn = tok.decode([t for t in ids[:k] if t != tok.eot])
+        hits = [drawn.find(s) for s in stop if s in drawn]
+        if hits:
+            return drawn[:min(hits)], "stop", k
+        if ids[k - 1] == tok.eot:
+            return drawn, "stop", k
+    return tok.decode(ids), "length", len(ids)
+
+
+def check_head(obj, kind):
+    """id, object, created (Unix seconds) and model, on an answer and on each chunk."""
+    assert obj["object"] == kind and obj["model"] == "nanoeuler-custom-chat" and obj["id"].startswith(
+        "chatcmpl-" if kind.startswith("chat") else "cmpl-")
+    assert isinstance(obj["created"], int) and abs(obj["created"] - time.time()) < 600
+
+
+WIRE_CASES = [                                   # (prompt key, max_tokens, stop)
+    ("Say hello.", 60, None),                    # ends with <|endoftext|>: "stop", the end token counted
+    ("Say hello.", 25, None),                    # max_tokens reached just before the end token: "length"
+    ("Say hello.", 26, None),                    # the end token is the last allowed: "stop"
+    ("Count.", 7, None),                         # max_tokens: "length"
+    ("Count.", 60, "four"),                      # a stop string made of three tokens
+    ("Count.", 60, ["seven", "nine", "three", "e f"]),   # four stop strings: the earliest in the text wins
+    ("Count.", 60, ["fi", "t"]),                 # "t" of " two" comes first though listed last
+    ("Say hello.", 60, ["he", " t"]),            # both end in the token " the": " t" begins first
+]
+
+
+@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES)
+def test_chat_wire_format_finish_reason_and_usage(model, scripted, key, max_tokens, stop):
+    """Authority: OpenAI's API reference for POST /v1/chat/completions: the chat completion object
+    (object "chat.completion", choices[0].message {role "assistant", content}, finish_reason "stop" when the
+    model hit a natural stop point or a provided stop sequence, "length" when max_tokens was reached; usage
+    {prompt_tokens, completion_tokens, total_tokens}); `stop`: up to 4 sequences, the returned text does not
+    contain the stop sequence; streamed, the chat completion chunk object (object "chat.completion.chunk",
+    one id for all chunks, the first delta's role "assistant", finish_reason null until the last choice
+    chunk) as server-sent events (Content-Type text/event-stream, `data: {json}` and a blank line each,
+    ended by `data: [DONE]`), and with stream_options.include_usage one more chunk before [DONE] whose
+    choices are empty and whose usage is the request's."""
+    tok = model[1]
+    text, finish, n = expected(tok, key, max_tokens, [stop] if isinstance(stop, str) else stop or [])
+    usage = {"prompt_tokens": len(sft_ids(tok, [], key)), "completion_tokens": n,
+             "total_tokens": len(sft_ids(tok, [], key)) + n}
+    body = {"model": "nanoeuler-custom-chat", "messages": [{"role": "user", "content": key}],
+            "max_tokens": max_tokens, **({"stop": stop} if stop else {})}
+    status, r, raw = post(scripted, "/v1/chat/completions", body)
+    assert status == 200 and r.getheader("Content-Type") == "application/json"
+    answer = json.loads(raw)
+    check_head(answer, "chat.completion")
+    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": finish}]
+    assert answer["usage"] == usage
+
+    status, r, raw = post(scripted, "/v1/chat/completions",
+                          dict(body, stream=True, stream_options={"include_usage": True}))
+    assert status == 200 and r.getheader("Content-Type").split(";")[0] == "text/event-stream"
+    chunks = sse_chunks(raw)
+    for c in chunks:
+        check_head(c, "chat.completion.chunk")
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"] != answer["id"]
+    *choices, last = chunks
+    assert choices[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(len(c["choices"]) == 1 and c["choices"][0]["index"] == 0 for c in choices)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in choices) == text
+    assert [c["choices"][0]["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + [finish]
+    assert last["choices"] == [] and last["usage"] == usage
+    assert all(c.get("usage") is None for c in choices)
+
+    status, r, raw = post(scripted, "/v1/chat/completions", dict(body, stream=True))    # no usage chunk unasked
+    assert status == 200 and all(c["choices"] for c in sse_chunks(raw))
+
+
+@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES[::2])
+def test_completions_wire_format(model, scripted, key, max_tokens, stop):
+    """Authority: OpenAI's API reference for the (legacy) POST /v1/completions: object "text_completion",
+    choices[0] {text, index, logprobs, finish_reason}, usage; streamed, the same object per event, text
+    pieces, ended by `data: [DONE]`."""
+    tok = model[1]
+    text, finish, n = expected(tok, key, max_tokens, [stop] if isinstance(stop, str) else stop or [])
+    body = {"prompt": key, "max_tokens": max_tokens, **({"stop": stop} if stop else {})}
+    status, r, raw = post(scripted, "/v1/completions", body)
+    answer = json.loads(raw)
+    check_head(answer, "text_completion")
+    assert answer["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    assert answer["usage"] == {"prompt_tokens": len(tok.encode(key)), "completion_tokens": n,
+                               "total_tokens": len(tok.encode(key)) + n}
+    status, r, raw = post(scripted, "/v1/completions", dict(body, stream=True))
+    assert status == 200 and r.getheader("Content-Type").split(";")[0] == "text/event-stream"
+    chunks = sse_chunks(raw)
+    for c in chunks:
+        check_head(c, "text_completion")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [finish]
+
+
+@pytest.mark.parametrize("n_stops", [1, 4, 5])
+def test_up_to_four_stop_strings(scripted, n_stops):
+    """Authority: OpenAI's API reference, `stop`: "Up to 4 sequences where the API will stop generating
+    further tokens" (serve.MAX_STOPS); more is a 400 with OpenAI's error object, param "stop"."""
+    stops = ["nine", "eight", "seven", "six", "five"][:n_stops]
+    status, r, raw = post(scripted, "/v1/completions", {"prompt": "Count.", "max_tokens": 60, "stop": stops})
+    if n_stops <= 4:
+        got = json.loads(raw)["choices"][0]
+        want = "one two three four five " + ("six seven eight " if n_stops == 1 else "")
+        assert status == 200 and (got["text"], got["finish_reason"]) == (want, "stop")
+    else:
+        assert status == 400 and r.getheader("Content-Type") == "application/json"
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert (err["type"], err["param"]) == ("invalid_request_error", "stop")
+
+
+def test_openai_client_reads_the_scripted_answers(model, scripted):
+    """Authority: the openai package, OpenAI's own client: its parsed objects carry what the raw tests read."""
+    c, tok = client(scripted), model[1]
+    msgs = [{"role": "user", "content": "Say hello."}]
+    r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=msgs, max_tokens=60)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (SCRIPT["Say hello."][0], "stop")
+    assert r.usage.completion_tokens == len(tok.encode(SCRIPT["Say hello."][0])) + 1
+    chunks = list(c.chat.completions.create(model=r.model, messages=msgs, max_tokens=60, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    r = c.completions.create(model=r.model, prompt="Count.", max_tokens=60, stop=["six", "two"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("one ", "stop")
 
 
 # ----------------------------------------------------------------------------------------------------
