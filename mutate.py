@@ -36,6 +36,10 @@ _SFT = ("test_cpu_engine.py::test_sft_example_without_a_counted_response_token_i
 _LAST_VAL = ("test_cpu_engine.py::test_last_step_is_validated",)
 _CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and_rename",
          "test_cpu_engine.py::test_checkpoint_replaces_the_file_a_reader_holds_by_rename")
+# <36a tests>
+_T36A_SERVE = ('test_serve.py', '-k', 'wire or stop_strings or scripted')
+_T36A_EXPORT = ('test_export.py', '-k', 'metadata or padding')
+# </36a tests>
 
 # (name, file, [(old, new, times)][, pytest arguments]): old must occur exactly `times` times in the file; the
 # tests are DEFAULT_TESTS unless the mutant names its own (or --tests overrides them all)
@@ -192,15 +196,54 @@ MUTANTS = [
        "    finally:", 1)], _CKPT),
     ("checkpoint's temporary file is the checkpoint", "pipeline.py",
      [('    tmp = f"{path}.{os.getpid()}.tmp"\n    try:', "    tmp = path\n    try:", 1)], _CKPT),
+    # <36a>
+    # issue 36, H-tests36a's (/work/brief/mutants_36a.py): serve.py's wire format against OpenAI's API reference,
+    # export.py's GGUF header as llama.cpp reads it, bpe.py's edges against Hugging Face tokenizers
+    ('stream never sends [DONE]', 'serve.py',
+     [('self.wfile.write(b"data: [DONE]\\n\\n")', 'pass', 1)], _T36A_SERVE),
+    ('finish_reason length at <|endoftext|>', 'serve.py',
+     [('if t == self.tok.eot:\n                    finish = "stop"', 'if t == self.tok.eot:\n                    finish = "length"', 1)], _T36A_SERVE),
+    ('usage leaves out the end token', 'serve.py',
+     [('                n += 1\n                if t == self.tok.eot:\n                    finish = "stop"\n                    break\n', '                if t == self.tok.eot:\n                    finish = "stop"\n                    break\n                n += 1\n', 1)], _T36A_SERVE),
+    ('stop strings resolved in list order', 'serve.py',
+     [('end = min(hits) if hits', 'end = hits[0] if hits', 1)], _T36A_SERVE),
+    ('four stop strings refused', 'serve.py',
+     [('len(stop) <= MAX_STOPS', 'len(stop) < MAX_STOPS', 1)], _T36A_SERVE),
+    ('events end with one newline', 'serve.py',
+     [('self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\\n\\n")', 'self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\\n")', 1)], _T36A_SERVE),
+    ('chunks named chat.completion', 'serve.py',
+     [('head["object"] = "chat.completion.chunk" if chat', 'head["object"] = "chat.completion" if chat', 1)], _T36A_SERVE),
+    ('stream sent as text/plain', 'serve.py',
+     [('"text/event-stream"', '"text/plain"', 1)], _T36A_SERVE),
+    ('created in milliseconds', 'serve.py',
+     [('"created": int(time.time())', '"created": int(time.time() * 1000)', 1)], _T36A_SERVE),
+    ('gguf norm eps 1e-6', 'export.py',
+     [('w.add_layer_norm_rms_eps(pl.RMS_EPS)', 'w.add_layer_norm_rms_eps(1e-6)', 1)], _T36A_EXPORT),
+    ('gguf special tokens typed NORMAL', 'export.py',
+     [('[T.CONTROL] * (n_tok - n_base)', '[T.NORMAL] * (n_tok - n_base)', 1)], _T36A_EXPORT),
+    ('gguf rope dimension counts pairs', 'export.py',
+     [('w.add_rope_dimension_count(cfg.head_dim)', 'w.add_rope_dimension_count(cfg.head_dim // 2)', 1)], _T36A_EXPORT),
+    ('gguf feed-forward length 4 D', 'export.py',
+     [('w.add_feed_forward_length(cfg.ffn)', 'w.add_feed_forward_length(4 * cfg.dim)', 1)], _T36A_EXPORT),
+    ('gguf vocab size of the tokenizer', 'export.py',
+     [('w.add_vocab_size(cfg.vocab)', 'w.add_vocab_size(tok.vocab_size)', 1)], _T36A_EXPORT),
+    ('gguf adds a BOS to prompts', 'export.py',
+     [('w.add_add_bos_token(False)', 'w.add_add_bos_token(True)', 1)], _T36A_EXPORT),
+    ('gguf bos id 0', 'export.py',
+     [('w.add_bos_token_id(eot)', 'w.add_bos_token_id(0)', 1)], _T36A_EXPORT),
+    # </36a>
 ]
 
 
 def copy_tree(src, dst):
-    """The .py files, pytest.ini and the Numba cache, with their times (the cache is keyed by them)."""
+    """The .py files, what tests read beside them (chat.html, CONTRACT.md, pytest.ini, data/ without its
+    cache) and the Numba cache, with their times (the cache is keyed by them)."""
     os.makedirs(dst)
     for name in os.listdir(src):
-        if name.endswith(".py") or name == "pytest.ini":
+        if name.endswith((".py", ".html", ".md")) or name == "pytest.ini":
             shutil.copy2(os.path.join(src, name), dst)
+    if os.path.isdir(os.path.join(src, "data")):
+        shutil.copytree(os.path.join(src, "data"), os.path.join(dst, "data"), ignore=shutil.ignore_patterns("cache"))
     if os.path.isdir(os.path.join(src, "__pycache__")):
         shutil.copytree(os.path.join(src, "__pycache__"), os.path.join(dst, "__pycache__"), copy_function=shutil.copy2)
 
