@@ -39,6 +39,7 @@ _CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and
 # <36a tests>
 _T36A_SERVE = ('test_serve.py', '-k', 'wire or stop_strings or scripted')
 _T36A_EXPORT = ('test_export.py', '-k', 'metadata or padding')
+_T36A_BPE = ('test_tokenizer.py', '-k', 'hugging or hand_merges or own_id')
 # </36a tests>
 
 # (name, file, [(old, new, times)][, pytest arguments]): old must occur exactly `times` times in the file; the
@@ -231,6 +232,16 @@ MUTANTS = [
      [('w.add_add_bos_token(False)', 'w.add_add_bos_token(True)', 1)], _T36A_EXPORT),
     ('gguf bos id 0', 'export.py',
      [('w.add_bos_token_id(eot)', 'w.add_bos_token_id(0)', 1)], _T36A_EXPORT),
+    ('digits cut from their leading space', 'bpe.py',
+     [('| ?\\p{N}+|', '|\\p{N}+|', 1)], _T36A_BPE),
+    ('contractions of any case', 'bpe.py',
+     [('r"""\'s|\'t|\'re|\'ve|\'m|\'ll|\'d|', 'r"""(?i:\'s|\'t|\'re|\'ve|\'m|\'ll|\'d)|', 1)], _T36A_BPE),
+    ('a run of spaces keeps its last space', 'bpe.py',
+     [('|\\s+(?!\\S)|\\s+""")', '|\\s+""")', 1)], _T36A_BPE),
+    ('encoder merges the leftmost pair first', 'bpe.py',
+     [('if rank is not None and (best_rank is None or rank < best_rank):', 'if rank is not None and best_rank is None:', 1)], _T36A_BPE),
+    ('merge that uses its own id accepted', 'bpe.py',
+     [('if max(pair) >= 256 + len(merges):', 'if max(pair) > 256 + len(merges):', 1)], _T36A_BPE),
     # </36a>
 ]
 
