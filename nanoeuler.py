@@ -930,8 +930,9 @@ def _guess_ids(z, g):
     return out
 
 
-def generate_batch(P, prompt_ids, n, max_new, sampling, rng):
-    """n independent continuations of one prompt in one batch (plain decoding); -> n lists of ids."""
+def generate_batch(P, prompt_ids, n, max_new, sampling, rng, arrivals=None):
+    """n independent continuations of one prompt in one batch (plain decoding); -> n lists of ids. arrivals
+    (a list) gets (ids so far in all streams, time.perf_counter()) after each step (sample's speed line)."""
     cfg = P.cfg
     ids = [list(prompt_ids) for _ in range(n)]
     cache = KVCache(cfg, n, P.flat.dtype)
@@ -941,6 +942,8 @@ def generate_batch(P, prompt_ids, n, max_new, sampling, rng):
         for r in range(n):
             outs[r].append(sampling.sample(logits[r], ids[r], rng))
             ids[r].append(outs[r][-1])
+        if arrivals is not None:
+            arrivals.append((n * len(outs[0]), time.perf_counter()))
         if len(ids[0]) >= cfg.ctx:
             break
         logits = forward_cached(P, [[o[-1]] for o in outs], cache)[:, -1]
@@ -1104,13 +1107,13 @@ def cmd_sample(argv):
     P, tok, _, _ = pl.load_checkpoint(a.ckpt)
     if a.samples > 1:
         sampling = pl.sampling_of(a)
-        n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: generate_batch(P, ids, k, m, sampling, rng),
-                                     prompt, a, P.cfg.ctx)
-        print(pl.speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
+        arrivals = pl.samples_to_stdout(tok, lambda ids, k, m, rng, arrivals: generate_batch(
+            P, ids, k, m, sampling, rng, arrivals), prompt, a, P.cfg.ctx)
+        print(pl.speed_line(arrivals, False, {}, a.samples), file=sys.stderr)
         return
     stats = {}
-    n, dt = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), prompt, a, P.cfg.ctx)
-    print(pl.speed_line(n, dt, speculative_of(P, a, pl.sampling_of(a)), stats), file=sys.stderr)
+    arrivals = pl.sample_to_stdout(tok, cpu_generate(P, a, stats), prompt, a, P.cfg.ctx)
+    print(pl.speed_line(arrivals, speculative_of(P, a, pl.sampling_of(a)), stats), file=sys.stderr)
 
 
 def cmd_sft(argv):

@@ -3909,12 +3909,18 @@ class Sampler:
         for chunk in self._plain(list(prompt_ids), max_new, sampling, rng, 1):
             yield from (int(t) for t in chunk[:, 0])
 
-    def generate_batch(self, prompt_ids, n, max_new, sampling, rng):
-        """n continuations of one prompt in one batch (plain decoding); -> n lists of ids."""
+    def generate_batch(self, prompt_ids, n, max_new, sampling, rng, arrivals=None):
+        """n continuations of one prompt in one batch (plain decoding); -> n lists of ids. arrivals (a list)
+        gets (ids so far in all streams, time.perf_counter()) as each chunk comes (sample's speed line)."""
         if n > self.streams:
             raise UserError(f"--samples {n}: this sampler holds {self.streams} streams")
         pl.check_prompt(len(prompt_ids), self.cfg.ctx)
-        out = np.concatenate(list(self._plain(list(prompt_ids), max_new, sampling, rng, n)))
+        chunks = []
+        for chunk in self._plain(list(prompt_ids), max_new, sampling, rng, n):
+            chunks.append(chunk)
+            if arrivals is not None:
+                arrivals.append((n * sum(map(len, chunks)), time.perf_counter()))
+        out = np.concatenate(chunks)
         return [out[:, r].tolist() for r in range(n)]
 
 
@@ -3970,13 +3976,17 @@ def cmd_infer(argv):
     sampler = Sampler(P, streams=a.samples)
     if a.samples > 1:
         sampling = pl.sampling_of(a)
-        n, dt = pl.samples_to_stdout(tok, lambda ids, k, m, rng: sampler.generate_batch(ids, k, m, sampling, rng),
-                                     prompt, a, P.cfg.ctx)
-        print(pl.speed_line(n, dt, False, {}, a.samples), file=sys.stderr)
+        arrivals = pl.samples_to_stdout(tok, lambda ids, k, m, rng, arrivals: sampler.generate_batch(
+            ids, k, m, sampling, rng, arrivals), prompt, a, P.cfg.ctx)
+        print(pl.speed_line(arrivals, False, {}, a.samples, warmup=GPU_WARMUP), file=sys.stderr)
         return
     stats = {}
-    n, dt = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
-    print(pl.speed_line(n, dt, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats), file=sys.stderr)
+    arrivals = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
+    print(pl.speed_line(arrivals, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats, warmup=GPU_WARMUP),
+          file=sys.stderr)
+
+
+GPU_WARMUP = "compilation, CUDA graph capture, prefill"    # what the time to sample's first ids holds
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -639,9 +639,17 @@ def sample_token(logits, temperature, top_k, rng):
     return Sampling(temperature, top_k).sample(logits, (), rng)
 
 
-def speed_line(n, seconds, speculative, stats, streams=1):
-    """The last line of sample: tokens/s, and how many drafts head 0 accepted."""
-    line = f"[{n} tokens" + (f" in {streams} streams" if streams > 1 else "") + f", {n / max(seconds, 1e-9):,.0f} tokens/s"
+def speed_line(arrivals, speculative, stats, streams=1, warmup="compilation, prefill"):
+    """The last line of sample. arrivals: (ids so far, seconds since the start) each time new ids came. The
+    time to the first is the warm-up (compiling, prefill; on the GPU capturing graphs), reported apart; the
+    rate after it is the least-squares slope of ids against time, which the bursts of a speculative or
+    chunked decoder do not bias (it is (n - 1) / (t_last - t_first) for ids one at a time, evenly spaced)."""
+    n, t_first = arrivals[-1][0], arrivals[0][1]
+    ids, t = np.array(arrivals, float).T
+    steady = f"then {np.polyfit(t - t_first, ids, 1)[0]:,.0f} tokens/s" if t[-1] > t_first else \
+        "too few for a steady rate"
+    line = f"[{n} token{'s' * (n != 1)}" + (f" in {streams} streams" if streams > 1 else "") + \
+        f", {t_first:.{1 if t_first >= 0.1 else 3}f} s of warm-up ({warmup}), {steady}"
     if speculative and stats.get("drafted"):
         line += f", speculative: {stats['accepted'] / stats['drafted']:.0%} of {stats['drafted']} drafts accepted"
     return line + ("" if speculative or streams > 1 else ", speculative off") + "]"
@@ -697,28 +705,32 @@ def stream(tok, ids_iter, prefix=""):
 
 def sample_to_stdout(tok, generate_fn, prompt, a, ctx):
     """The sample mode of both engines: streams a.tokens ids after the prompt; says so when the context
-    ends the text first. generate_fn(ids, n, rng) yields ids. -> (tokens, seconds)."""
+    ends the text first. generate_fn(ids, n, rng) yields ids. -> speed_line's arrivals, one per id."""
     check_sampling(a)
     ids = fit_prompt(tok.encode(prompt), ctx, a.tokens)
-    t0 = time.perf_counter()
-    n = stream(tok, generate_fn(ids, a.tokens, np.random.default_rng(a.seed)), prompt)
-    dt = time.perf_counter() - t0
+    arrivals, t0 = [], time.perf_counter()
+
+    def timed(ids_iter):
+        for t in ids_iter:
+            arrivals.append((len(arrivals) + 1, time.perf_counter() - t0))
+            yield t
+    n = stream(tok, timed(generate_fn(ids, a.tokens, np.random.default_rng(a.seed))), prompt)
     if n < a.tokens:
         print(f"[stopped after {n} tokens: the context of {ctx} tokens is full]", file=sys.stderr)
-    return n, dt
+    return arrivals
 
 
 def samples_to_stdout(tok, generate_batch_fn, prompt, a, ctx):
     """--samples N: N continuations of one prompt drawn in one batch, printed one after the other.
-    generate_batch_fn(ids, N, n, rng) -> N id lists. -> (tokens in all, seconds)."""
+    generate_batch_fn(ids, N, n, rng, arrivals) -> N id lists; it appends (ids so far in all streams,
+    time.perf_counter()) to arrivals as they come. -> speed_line's arrivals."""
     check_sampling(a)
     ids = fit_prompt(tok.encode(prompt), ctx, a.tokens)
-    t0 = time.perf_counter()
-    outs = generate_batch_fn(ids, a.samples, a.tokens, np.random.default_rng(a.seed))
-    dt = time.perf_counter() - t0
+    arrivals, t0 = [], time.perf_counter()
+    outs = generate_batch_fn(ids, a.samples, a.tokens, np.random.default_rng(a.seed), arrivals)
     for i, out in enumerate(outs):
         print(f"--- sample {i + 1}/{len(outs)} ---\n{prompt}{tok.decode(out)}")
-    return sum(map(len, outs)), dt
+    return [(k, t - t0) for k, t in arrivals]
 
 
 # ----------------------------------------------------------------------------------------------------
