@@ -4248,6 +4248,9 @@ def cmd_plot(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
+    pl.writable(os.path.dirname(a.out) or ".", "--out", folder=True)    # plot makes the folder; a file there
+    if os.path.exists(a.out):                                          # is replaced, a folder is not
+        pl.writable(a.out, "--out", force=True)
     print(f"wrote {evaluate.plot(a.runs, a.out)}")
 
 

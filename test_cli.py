@@ -393,7 +393,8 @@ def _cli_cases(d):
              "sft/number.json": b'[{"instruction": 1, "output": "b"}]',
              "sft/one.json": b'[{"instruction": "Say hi.", "input": "", "output": "hi"}]',
              "sft/good.json": b'[{"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say no.", "output": "no"}]',
-             "done/ckpt.npz": b"x", "sftdone/ckpt.npz": b"x"}
+             "done/ckpt.npz": b"x", "sftdone/ckpt.npz": b"x",
+             "logged/train_log.jsonl": b'{"step": 1, "loss": 5.0, "tokens": 64, "wall": 0.5}\n'}
     for name, data in files.items():
         os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
         with open(os.path.join(d, name), "wb") as f:
@@ -470,6 +471,9 @@ def _cli_cases(d):
          ["-o", "is a folder"]),
         ("bpe.py encode -o no folder", ["bpe.py", "encode", j("data.bpe"), j("a.txt"), "-o", j("none", "x.bin")],
          ["-o", "x.bin", "does not exist"]),
+        ("plot --out a folder", ["plot", j("logged"), "--out", j("sft")], ["--out", "is a folder"]),
+        ("GPU plot --out in /proc", ["nanoeuler_cuda.py", "plot", j("logged"), "--out", "/proc/x.png"],
+         ["--out /proc cannot be written"]),
         ("GPU bench --json a folder", ["nanoeuler_cuda.py", "bench", "--json", j("sft")], ["--json", "is a folder"]),
         ("GPU bench --json in /proc", ["nanoeuler_cuda.py", "bench", "--json", "/proc/b.json"],
          ["--json /proc/b.json cannot be written"]),
