@@ -3,9 +3,11 @@ test_tokenizer.py -- the byte-level BPE tokenizer (bpe.py): training, encode and
 file encoding and its command line.
 
 Authorities: CONTRACT.md's "Tokenizer" section; merges worked out by hand; a brute-force trainer written
-here (full recount every merge); any Unicode text round-trips (hypothesis).
+here (full recount every merge); any Unicode text round-trips (hypothesis); Hugging Face tokenizers'
+byte-level BPE given the same merges and ids (a test-only dependency, installed with transformers).
 """
 import codecs
+import json
 import random
 import re
 from collections import Counter
@@ -211,6 +213,98 @@ def test_load_corrupt_file_names_it(tmp_path):
     (tmp_path / "bad.tok").write_bytes(b"\xff\xfe garbage")
     with pytest.raises(ValueError, match="bad.tok"):
         bpe.Tokenizer.load(tmp_path / "bad.tok")
+
+
+# ----------------------------------------------------------------------------------------------------
+# against Hugging Face tokenizers: the same merges and ids in its byte-level BPE give the same encodings
+
+def _gpt2_bytes_to_unicode():
+    """GPT-2's table of byte -> printable character (bytes_to_unicode of openai/gpt-2's encoder.py, written
+    here from its definition): printable Latin-1 stands for itself, every other byte for U+0100 onwards."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def hf_tokenizer(tok):
+    """tokenizers' BPE model holding tok's ids and merges (in rank order), GPT-2's ByteLevel pre-tokenizer
+    (its own regex) and decoder, and tok's special tokens as added tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    char = _gpt2_bytes_to_unicode()
+    spell = lambda i: "".join(char[b] for b in tok.token_bytes[i])
+    vocab = {spell(i): i for i in range(256 + len(tok.merges))}
+    assert len(vocab) == 256 + len(tok.merges)                      # no two ids of the same bytes
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [(spell(a), spell(b)) for a, b in tok.merges]))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    hf.add_special_tokens(list(tok.specials))
+    assert [hf.token_to_id(s) for s in tok.specials] == [tok.special_id(s) for s in tok.specials]
+    return hf
+
+
+def merges_of(words):
+    """Merges that build each word's bytes left to right (a new id per new prefix), in the order given:
+    a merge table written by hand, whatever the trainer would learn."""
+    merges, made = [], {bytes([b]): b for b in range(256)}
+    for w in words:
+        data = w.encode()
+        for k in range(2, len(data) + 1):
+            if data[:k] not in made:
+                merges.append((made[data[:k - 1]], made[data[k - 1:k]]))
+                made[data[:k]] = 255 + len(merges)
+    return merges
+
+
+# pieces GPT-2's pattern keeps whole or cuts, each with a merge that shows which: a digit run with its
+# leading space, contractions (lower case only), whitespace runs before a word, newlines; and "bc" ranked
+# before "ab", so that "abc" is a, bc (the lowest rank first, not the leftmost pair)
+HAND = bpe.Tokenizer(merges_of([" 1", " 12", " 123", " 4", " 42", "12", "42", "  ", "   ", "    ", "\n\n", "\n\n\n",
+                                "'s", "'t", "'ll", "'M", "'re", "I'", "n'", "don", " don", " ca", " caf", " café",
+                                "é", "日本", "🙂", "bc", "ab", "abc", " x", "x ", "\t\t", " \n", "e ", "1b", " 1b"]))
+
+EDGES = [" 123", "a 1b", "x  42", "x   42", "123", "a1b 12 123 1234", "3.14159 2026", "x\t 42",
+         "don't", "we'll", "I'M", "I'm", "they're", "it's  here", "don 't",
+         "naïve café", "Ünïcödé 日本語 Ελληνικά", "🙂👍🏽 🙂", "\u00a042 \u3000x",
+         "line\nnext\n\n\nend", "a\n\n", "\n\n\n", " \n x", "x\r\ny", "tabs\t\tand   spaces   ", "  leading",
+         "trailing  ", "x    ", "abc", "abcabc bc ab", ""]
+
+
+@pytest.mark.parametrize("tok", [HAND, TOK], ids=["hand", "trained"])
+def test_encodings_equal_hugging_face_tokenizers(tok):
+    """Authority: Hugging Face tokenizers' byte-level BPE (GPT-2's ByteLevel pre-tokenizer with its own
+    regex, merges applied lowest rank first) given the same merges and ids: equal ids on edge cases of
+    digits after a space, contractions, Unicode, newlines and runs of spaces; equal decoded text."""
+    hf = hf_tokenizer(tok)
+    for s in EDGES + [CORPUS[:3000]]:
+        ids = tok.encode(s)
+        assert hf.encode(s).ids == ids, s
+        assert hf.decode(ids) == s
+    s = "one<|endoftext|> two\n<|endoftext|>"
+    assert hf.encode(s).ids == tok.encode(s, "all") and tok.eot in tok.encode(s, "all")
+
+
+def test_hand_merges_are_used_where_the_pattern_allows():
+    """The edge cases above test something: the hand merges join the pieces GPT-2's pattern keeps whole."""
+    ids = lambda s: [HAND.decode([i]) for i in HAND.encode(s)]
+    assert ids(" 123") == [" 123"] and ids("x  42") == ["x", " ", " 42"] and ids("a 1b") == ["a", " 1", "b"]
+    assert ids("I'M") == ["I", "'", "M"] and ids("don't") == ["don", "'t"] and ids("abc") == ["a", "bc"]
+
+
+@pytest.mark.parametrize("lines, bad_line, token", [
+    (["97 98", "257 97"], 4, 257),               # the merge that makes 257 uses 257
+    (["97 98", "256 258", "98 99"], 4, 258),     # 258 is used before the line that defines it
+    (["256 97"], 3, 256),
+])
+def test_merge_table_that_refers_to_its_own_id_is_refused(tmp_path, lines, bad_line, token):
+    """Authority: CONTRACT.md's tokenizer file: "a b makes the next id from ids a and b, both already
+    defined": a merge that uses its own id, or one defined later, is refused with the line and the id."""
+    text = "\n".join(["nanoeuler-bpe v1", json.dumps({"vocab_size": 257 + len(lines), "specials": ["<|endoftext|>"]}),
+                      *lines]) + "\n"
+    with pytest.raises(ValueError, match=rf"line {bad_line}: merge uses token {token}, which is not defined yet"):
+        bpe.Tokenizer.from_string(text)
+    (tmp_path / "t.tok").write_text(text)
+    with pytest.raises(ValueError, match=r"t\.tok: tokenizer line"):
+        bpe.Tokenizer.load(tmp_path / "t.tok")
 
 
 # ----------------------------------------------------------------------------------------------------
