@@ -17,8 +17,7 @@ import numpy as np
 
 import pipeline as pl
 
-LOG = "train_log.jsonl"
-EVALS = "evals.jsonl"
+LOG, EVALS = pl.LOG, pl.EVALS
 DEFAULT_HELLASWAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag_val.jsonl")
 
 
@@ -26,14 +25,13 @@ DEFAULT_HELLASWAG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "da
 # run logs
 
 def read_log(run_dir):
-    """A run folder's train_log.jsonl -> list of dicts (one per step). Missing/empty: UserError."""
+    """A run folder's train_log.jsonl -> list of dicts, one per step (pl.read_log). Missing/empty: UserError."""
     if not os.path.isdir(run_dir):
         raise pl.UserError(f"run folder not found: {run_dir}")
     path = os.path.join(run_dir, LOG)
     if not os.path.isfile(path):
         raise pl.UserError(f"{run_dir} holds no {LOG}; give the --out folder of a training run")
-    recs = [rec for _, rec in pl.read_jsonl(path, "run log")
-            if isinstance(rec, dict) and "step" in rec and "loss" in rec]
+    recs = [rec for rec in pl.read_log(run_dir) if "loss" in rec]
     if not recs:
         raise pl.UserError(f"{path} holds no steps; the run has not logged yet")
     return recs
@@ -45,8 +43,8 @@ def curves(run_dir):
     recs = read_log(run_dir)
     step = np.array([r["step"] for r in recs], float)
     ms = np.array([r.get("ms", 0.0) for r in recs], float)
-    if all("tokens" in r for r in recs):                # step x each step's tokens (a resume may repeat steps)
-        tokens = step * np.array([r["tokens"] for r in recs], float)
+    if all("tokens" in r for r in recs):                # the sum of each step's own tokens
+        tokens = np.cumsum([r["tokens"] for r in recs], dtype=float)
     else:                                               # logs from before "tokens": tok_s x ms a step
         tokens = np.cumsum([r.get("tok_s", 0) * r.get("ms", 0.0) / 1e3 for r in recs])
     wall = np.cumsum(ms) / 1e3
@@ -63,7 +61,8 @@ def plot(run_dirs, out_png):
 
 
 def _plot(data, out_png):
-    """plot() of [(run_dir, curves(run_dir))]."""
+    """plot() of [(run_dir, curves(run_dir))]. Runs are separate lines, each counted from its own start (sft's
+    steps and tokens are not more of train's), as the legend says."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -82,7 +81,7 @@ def _plot(data, out_png):
         ax.set_xlabel(label)
         ax.set_ylabel("loss (head 0, nats)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, title="each run from its own start" if len(data) > 1 else None, title_fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=100)
@@ -247,20 +246,22 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
     and eval scores (evals.jsonl)."""
     c = curves(out_dir)
     steps, tokens, wall = int(c["step"][-1]), int(round(c["tokens"][-1])), float(c["wall"][-1])
-    per_step = c["recs"][-1].get("tokens")
+    per_step = {r.get("tokens") for r in c["recs"]}
+    per_step = (f" ({steps} steps x {per_step.pop():,})" if len(per_step) == 1 and None not in per_step
+                else " (the sum of each step's own)" if None not in per_step else "")
     n_params = pl.num_params(cfg)
     flops = pl.model_flops_per_token(cfg, args["seq"])
     rate = tokens / wall if wall > 0 else float("nan")
     lines = [f"# Run report: {args.get('config', pl.config_name(cfg))}", "",
              f"- engine: {engine}", f"- config: {args.get('config')} {cfg}", f"- parameters: {n_params:,}",
              "- arguments: " + ", ".join(f"{k}={v}" for k, v in sorted(args.items())),
-             f"- steps: {steps}", f"- tokens seen: {tokens:,}" + (f" ({steps} steps x {per_step:,})" if per_step else ""),
+             f"- steps: {steps}", f"- tokens seen: {tokens:,}{per_step}",
              f"- wall time: {wall:.1f} s (training steps, from {LOG})", f"- tokens/s: {rate:,.0f}",
              f"- model FLOP/s: {rate * flops / 1e9:,.1f} GFLOP/s ({flops:,} FLOPs per token; "
              + (f"MFU {rate * flops / (peak_tflops * 1e12):.1%} of {peak_tflops:,.0f} TFLOP/s" if peak_tflops
                 else "MFU is a GPU notion") + ")",
              f"- final validation loss: {val_loss:.4f}", f"- final validation bpb: {val_bpb:.4f}", "",
-             "## Sample", "", "```", sample, "```", "", "## Loss curves", ""]
+             "## Sample", "", "```", pl.printable(sample), "```", "", "## Loss curves", ""]
     try:
         _plot([(out_dir, c)], os.path.join(out_dir, "loss.png"))
         lines.append("![loss curves](loss.png)")

@@ -369,11 +369,12 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=CACHE):
     else:
         text, what = default_corpus()
         key = f"default.{len(text)}"
-    os.makedirs(cache_dir, exist_ok=True)
     base = os.path.join(cache_dir, f"{key}.v{cfg.vocab}")
     if os.path.exists(base + ".bin") and os.path.exists(base + ".bpe"):
         print(f"{what} (tokens cached in {base}.bin)", flush=True)
         return load_tokens(base + ".bin", cfg.vocab), load_tokenizer(base + ".bpe")
+    writable(cache_dir, "the token cache (NANOEULER_CACHE)", folder=True)
+    os.makedirs(cache_dir, exist_ok=True)
     print(f"{what}; training a {cfg.vocab}-id tokenizer and encoding (once; cached after)", flush=True)
     t0 = time.time()
     # the tokenizer learns its merges from the first 20 MB: enough for a 4096 vocabulary, and quick
@@ -671,14 +672,14 @@ def check_sampling(a):
     """The sampling flags of sample and chat: a mistake is refused, not read as something else."""
     if a.tokens < 1:
         raise UserError(f"--tokens {a.tokens}: give how many tokens to generate, at least 1")
-    if not a.temperature >= 0:
-        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or a positive number")
+    if not 0 <= a.temperature < math.inf:
+        raise UserError(f"--temperature {a.temperature}: give 0 (greedy) or a positive, finite number")
     if a.top_k < 0:
         raise UserError(f"--top-k {a.top_k}: give 0 (all tokens) or a positive number")
     if not 0 < a.top_p <= 1:
         raise UserError(f"--top-p {a.top_p}: give a probability mass in (0, 1]")
-    if not a.repetition_penalty > 0:
-        raise UserError(f"--repetition-penalty {a.repetition_penalty}: give a positive factor (1: off)")
+    if not 0 < a.repetition_penalty < math.inf:
+        raise UserError(f"--repetition-penalty {a.repetition_penalty}: give a positive, finite factor (1: off)")
     if getattr(a, "samples", 1) < 1:
         raise UserError(f"--samples {a.samples}: give how many continuations to draw, at least 1")
 
@@ -690,16 +691,27 @@ def check_prompt(n_tokens, ctx):
         raise UserError(f"the prompt is {n_tokens} tokens, longer than the context of {ctx} minus one; shorten it")
 
 
+# C0 and C1 control characters but newline and tab, each as its \xNN escape (for str.translate)
+CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f, *range(0x80, 0xa0)) if chr(c) not in "\n\t"}
+
+
+def printable(text):
+    """Model text as a person reads it (samples, chat, report.md): control characters (NUL, ESC, ...) escaped
+    as \\x00, \\x1b, so a sample cannot drive the terminal or make a report binary. Programs get the raw ids
+    or text (serve's JSON escapes by itself). Escaping twice changes nothing."""
+    return text.translate(CONTROL_ESCAPES)
+
+
 def stream(tok, ids_iter, prefix=""):
-    """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete; -> count."""
+    """Prints prefix, then each sampled id as soon as its UTF-8 characters are complete, printable; -> count."""
     dec = tok.stream()
-    sys.stdout.write(prefix)
+    sys.stdout.write(printable(prefix))
     n = 0
     for t in ids_iter:
-        sys.stdout.write(dec.text(t))
+        sys.stdout.write(printable(dec.text(t)))
         sys.stdout.flush()
         n += 1
-    print(dec.end())
+    print(printable(dec.end()))
     return n
 
 
@@ -729,7 +741,7 @@ def samples_to_stdout(tok, generate_batch_fn, prompt, a, ctx):
     arrivals, t0 = [], time.perf_counter()
     outs = generate_batch_fn(ids, a.samples, a.tokens, np.random.default_rng(a.seed), arrivals)
     for i, out in enumerate(outs):
-        print(f"--- sample {i + 1}/{len(outs)} ---\n{prompt}{tok.decode(out)}")
+        print(f"--- sample {i + 1}/{len(outs)} ---\n{printable(prompt + tok.decode(out))}")
     return [(k, t - t0) for k, t in arrivals]
 
 
@@ -829,10 +841,12 @@ class SFTBatches:
 
 def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
     """Fine-tunes the base model P on instructions, for either engine: make_trainer() -> a train_loop
-    trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after)."""
+    trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after).
+    The last step's checkpoint is kept; the final line says which evaluation was best."""
+    writable(a.out, "--out", folder=True)
     check_positive(a, "steps", "batch", "seq")
-    if not a.lr > 0:
-        raise UserError(f"--lr {a.lr}: give a positive learning rate")
+    if not 0 < a.lr < math.inf:
+        raise UserError(f"--lr {a.lr}: give a positive, finite learning rate")
     examples = load_sft_data(a.data)
     if len(examples) < 2:                            # else the one example validates and none is left to train
         raise UserError(f"SFT data {a.data} holds 1 example; give at least 2 (1 in 20 validates, the rest train)")
@@ -845,7 +859,6 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     if os.path.exists(ckpt_path) and not a.force:
         raise UserError(f"{ckpt_path} exists: use another --out or --force")
-    os.makedirs(a.out, exist_ok=True)
 
     def val_fn():
         n = len(val.examples)
@@ -858,7 +871,12 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
                 log_every=10, data=a.data)
     train_loop(make_trainer(), tok, batches, args, a.out, val_fn, extra={"kind": "chat"})
     after = val_fn()[0]
-    print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}; chat checkpoint {ckpt_path}")
+    evals = [(r["val_loss"], r["step"]) for r in read_log(a.out) if "val_loss" in r]
+    best, step = min(evals + [(before, 0)])
+    note = ("the best evaluation" if step == a.steps else
+            f"the best was {best:.4f} at step {step}" + (" (before training)" if step == 0 else ", an earlier one"))
+    print(f"SFT validation loss: before {before:.4f} -> after {after:.4f}, {note}; chat checkpoint {ckpt_path} "
+          f"(step {a.steps}, the last)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -995,9 +1013,10 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
     """DPO from the chat checkpoint P, for either engine: make_trainer() -> a train_loop trainer over P whose
     step takes (x, (y, ref), lr); seq_logps(x, y) -> (rows,) summed head-0 log-probs. The reference log-probs
     come from P before the first step; 1 pair in 10 is held out and evaluated."""
+    writable(a.out, "--out", folder=True)
     check_positive(a, "steps", "batch")
-    if not a.lr > 0 or not a.beta > 0:
-        raise UserError(f"--lr {a.lr} and --beta {a.beta}: give positive numbers")
+    if not (0 < a.lr < math.inf and 0 < a.beta < math.inf):
+        raise UserError(f"--lr {a.lr} and --beta {a.beta}: give positive, finite numbers")
     if extra.get("kind") != "chat":
         print(f"warning: {a.ckpt} is a base checkpoint, never fine-tuned on the SFT template; DPO goes on, "
               "but sft first gives a model that answers", file=sys.stderr, flush=True)
@@ -1018,7 +1037,6 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     if os.path.exists(ckpt_path) and not a.force:
         raise UserError(f"{ckpt_path} exists: use another --out or --force")
-    os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     train.ref, val.ref = pair_logps(train, seq_logps), pair_logps(val, seq_logps)
     print(f"reference log-probs of {len(train.pairs) + len(val.pairs)} pairs ({time.time() - t0:.1f} s); the "
@@ -1033,7 +1051,8 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
               f"drift chosen {m['drift_chosen']:+.3f}, rejected {m['drift_rejected']:+.3f}", flush=True)
         return m["dpo_loss"], None, {k: round(v, 5) for k, v in m.items()}
 
-    with open(os.path.join(a.out, "train_log.jsonl"), "a") as log:   # the start, as train_loop logs the rest
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, LOG), "w") as log:   # a new log, from step 0; train_loop logs the rest
         log.write(json.dumps({"step": 0, **val_fn()[2]}) + "\n")
     args = dict(TRAIN_DEFAULTS, steps=a.steps, schedule_steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1),
                 batch=a.batch, seq=T, eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9,
@@ -1116,10 +1135,10 @@ def chat_repl(tok, generate_fn, template, max_new, ctx):
                 answer.append(t)
                 if t == tok.eot:
                     break
-                print(dec.text(t), end="", flush=True)
+                print(printable(dec.text(t)), end="", flush=True)
         except KeyboardInterrupt:
             print(" [stopped]", end="")
-        print(dec.end(), flush=True)
+        print(printable(dec.end()), flush=True)
         if template and (not answer or answer[-1] != tok.eot):
             answer.append(tok.eot)                   # each turn closes as SFT taught it
         turns.append((user, answer))
@@ -1163,6 +1182,55 @@ def validation_loss(batch_loss, tokens, B, T, n_batches, bytes_per_token):
 
 
 
+LOG, EVALS = "train_log.jsonl", "evals.jsonl"        # a run folder's step log, and eval's scores of its checkpoint
+
+
+def start_log(out_dir, step):
+    """Readies a run's log for the steps after `step`: keeps its records of steps up to `step` (a resume's
+    checkpoint; 0, a new run: none but a step-0 record written for it) and drops the rest, the steps of a
+    run that died after its last checkpoint or of an earlier run that left none, so the log holds each step
+    once and one run only; rewritten whole or not at all. A new run drops the old checkpoint's evals too."""
+    path = os.path.join(out_dir, LOG)
+    if step == 0 and os.path.exists(os.path.join(out_dir, EVALS)):
+        os.remove(os.path.join(out_dir, EVALS))
+    if not os.path.exists(path):
+        return
+    keep, dropped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                ok = rec["step"] <= step
+            except (ValueError, KeyError, TypeError):
+                ok = False                           # a line cut short by a kill
+            if ok:
+                keep.append(line.rstrip("\n") + "\n")
+            dropped += not ok and bool(line.strip())
+    if not dropped:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.writelines(keep)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    print(f"note: {path} held {dropped} lines of an earlier run; this run starts the log afresh"
+          if step == 0 else f"note: {path}: dropped {dropped} lines logged after the checkpoint's step {step}; "
+          "this run logs those steps again", flush=True)
+
+
+def read_log(out_dir):
+    """A run folder's log -> its records in order, each step once: where a step comes again (a log written
+    before start_log, resumed after a kill), the later records replace the earlier from that step on."""
+    recs = []
+    for _, rec in read_jsonl(os.path.join(out_dir, LOG), "run log"):
+        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
+            while recs and recs[-1]["step"] >= rec["step"]:
+                recs.pop()
+            recs.append(rec)
+    return recs
+
+
 def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None):
     """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
     a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
@@ -1174,9 +1242,12 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     line."""
     ckpt_path = os.path.join(out_dir, "ckpt.npz")
     rank, world = getattr(trainer, "rank", 0), getattr(trainer, "world", 1)
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)          # made here: a run that fails before its first step leaves none
+        start_log(out_dir, start)
     flag = StopFlag("this step" if world == 1 else "the steps up to the next progress line")
     try:
-        with open(os.path.join(out_dir, "train_log.jsonl") if rank == 0 else os.devnull, "a") as log:
+        with open(os.path.join(out_dir, LOG) if rank == 0 else os.devnull, "a") as log:
             step, val_loss, stopped = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra,
                                                    start, sample_fn, rank, world)
     finally:
@@ -1189,13 +1260,17 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
 def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra, start, sample_fn, rank, world):
     steps, val_loss, t_start, agreed = args["steps"], None, time.time(), False
     schedule = args.get("schedule_steps") or steps
+    minutes = args.get("ckpt_minutes") or 0
+    saved, t_saved = start or None, time.time()     # the step in ckpt_path of this run (None: none yet), and when
 
     def checkpoint(step):
+        nonlocal saved, t_saved
         state = trainer.host_state()                 # on several GPUs a collective: every rank takes part
         if rank == 0:
             P, m, v = state
             save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
                                                 "train": args}, extra)
+        saved, t_saved = step, time.time()
 
     step, pending, t_last = start, [], time.time()
     t_print, tokens_since_print = t_last, 0                        # the progress line's rate: since the last one
@@ -1205,12 +1280,15 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
         trainer.step(x, y, lr)
         step += 1
         pending.append((step, lr, x.size * world))                  # the tokens of every rank
-        if world > 1:              # the ranks stop at one step: they agree at each progress line (a collective)
-            agreed = (step % args["log_every"] == 0 or step == steps) and trainer.any_rank(flag.stop)
+        due = minutes > 0 and time.time() - t_saved >= 60 * minutes     # by time too: a crash loses at most that
+        if world > 1:      # the ranks stop, or save by time, at one step: they agree at each progress line (collectives)
+            line = step % args["log_every"] == 0 or step == steps
+            agreed = line and trainer.any_rank(flag.stop)
+            due = line and trainer.any_rank(due)
         stopping = ((flag.stop if world == 1 else agreed)
                     or (args.get("stop_after") and step - start >= args["stop_after"]))
         evaluating = val_fn is not None and (step % args["eval_every"] == 0 or step == steps)
-        saving = step % args["ckpt_every"] == 0 or step == steps or stopping
+        saving = step % args["ckpt_every"] == 0 or step == steps or stopping or due
         printing = step % args["log_every"] == 0 or step == steps or evaluating
         if not (trainer.sync_every_step or printing or saving or stopping):
             continue
@@ -1220,8 +1298,8 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
         tokens_since_print += sum(n for _, _, n in pending)
         for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
             if not math.isfinite(objective):
-                raise UserError(f"loss is {objective} at step {s}; stopped, the last good checkpoint is kept "
-                                f"({ckpt_path}); try a lower --lr")
+                kept = f"the checkpoint of step {saved} is kept ({ckpt_path})" if saved else "no checkpoint was written yet"
+                raise UserError(f"loss is {objective} at step {s}; stopped, {kept}; try a lower --lr")
             rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
                    "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt),
                    "tokens": n_tokens}                  # this step's: batch x grad-accum x seq x GPUs
@@ -1251,9 +1329,10 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
 
 
 def print_sample(tok, generate_fn, prompt, n, seed=0):
-    """A sample in a frame, for progress output: generate_fn(ids, n, rng) yields ids. -> the sample's text."""
+    """A sample in a frame, for progress output: generate_fn(ids, n, rng) yields ids. -> the sample's text,
+    printable."""
     ids = tok.encode(prompt)
-    text = tok.decode(ids + list(generate_fn(ids, n, np.random.default_rng(seed))))
+    text = printable(tok.decode(ids + list(generate_fn(ids, n, np.random.default_rng(seed)))))
     print("--- sample ---\n" + text + "\n--------------", flush=True)
     return text
 
@@ -1261,7 +1340,8 @@ def print_sample(tok, generate_fn, prompt, n, seed=0):
 # The small model's defaults: on the embedded corpus (~215K tokens) validation loss is lowest near 1000
 # steps (~5 epochs) and climbs after; longer runs pay on larger corpora (--steps).
 TRAIN_DEFAULTS = dict(config="small", steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100,
-                      sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None, grad_accum=1)
+                      sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None, grad_accum=1,
+                      ckpt_minutes=10.0)
 
 # Fine-tuning defaults. SFT: the steps both engines share, and per engine the batch, longest example and
 # rate (the GPU's larger batches and longer examples take a lower rate). DPO: the same on both engines.
@@ -1289,6 +1369,7 @@ def start_run(a, defaults, resume):
     defaults['config'], the contract's init. Resumed: the checkpoint in a.out with its optimiser state and
     its own arguments (flags given now override them; --stop-after applies to this run only; the
     learning-rate schedule keeps the run's first length). -> (P, tok, tokens, args, state, extra)."""
+    writable(a.out, "--out", folder=True)
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     given = {k: v for k, v in vars(a).items() if k in defaults and v is not None}
     if resume:
@@ -1301,6 +1382,12 @@ def start_run(a, defaults, resume):
             raise UserError(f"{ckpt_path} is a run of config {name}, not {given['config']}; resume without a config "
                             "or start a new run in another --out")
         args = {**defaults, **run, **given, "stop_after": given.get("stop_after", 0), "config": name}
+        shape = ("batch", "seq", "grad_accum")      # what each step sees: a resume continues the run exactly
+        changed = [f"--{k.replace('_', '-')} {args[k]}" for k in shape if args[k] != run.get(k, defaults[k])]
+        if changed:
+            raise UserError(f"{', '.join(changed)}: the run in {a.out} has " + ", ".join(
+                f"--{k.replace('_', '-')} {run.get(k, defaults[k])}" for k in shape) + ", and a resume continues it "
+                "exactly; drop the flag, or start a new run in another --out")
         args["schedule_steps"] = run.get("schedule_steps", run["steps"])
         if args["steps"] <= state["step"]:
             raise UserError(f"the run in {a.out} is at step {state['step']} of {args['steps']}; raise --steps to "
@@ -1314,8 +1401,12 @@ def start_run(a, defaults, resume):
         args, state, extra = {**defaults, **given}, None, {"kind": "base"}
         args["schedule_steps"] = args["steps"]
     check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every", "grad_accum")
-    if args["warmup"] < 0 or not args["lr"] > 0:
-        raise UserError("--lr must be positive and --warmup at least 0")
+    if not 0 < args["lr"] < math.inf:
+        raise UserError(f"--lr {args['lr']}: give a positive, finite learning rate")
+    if args["warmup"] < 0:
+        raise UserError(f"--warmup {args['warmup']}: give --warmup at least 0 (steps)")
+    if not 0 <= args["ckpt_minutes"] < math.inf:
+        raise UserError(f"--ckpt-minutes {args['ckpt_minutes']}: give minutes between checkpoints (0: by steps only)")
     cfg = P.cfg if resume else get_config(args["config"])
     if args["seq"] > cfg.ctx:
         raise UserError(f"--seq {args['seq']} is longer than the context of {cfg.ctx} of config {args['config']}")
@@ -1326,7 +1417,6 @@ def start_run(a, defaults, resume):
         raise UserError("the data's tokenizer differs from the checkpoint's; resume with the same --data")
     if not resume:
         tok, P = tok_data, Params.init(cfg, args["seed"])
-    os.makedirs(a.out, exist_ok=True)
     print(f"model: {args['config']} {cfg}, {num_params(cfg):,} parameters", flush=True)
     return P, tok, tokens, args, state, extra
 
@@ -1424,7 +1514,8 @@ def prompt_arg(a):
 
 def add_train_flags(p, out, defaults, lr_note=""):
     """The flags of a training run (both engines); those not given come from defaults or, when resuming,
-    from the checkpoint's run."""
+    from the checkpoint's run. lr_note: what follows the default rate in --lr's help, where it depends on the
+    config (" for small, 0.001 for the other configs")."""
     d = defaults
     add_config_arg(p, d["config"])
     p.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it "
@@ -1434,12 +1525,15 @@ def add_train_flags(p, out, defaults, lr_note=""):
              "batch": "sequences per step (per GPU)", "seq": "tokens per sequence (at most the context)",
              "grad_accum": "micro-batches of --batch sequences per step, their gradients averaged: one step "
                            "sees batch x grad-accum (x GPUs) sequences",
-             "lr": "peak learning rate" + lr_note, "warmup": "steps of linear warm-up", "seed": "init and data order",
+             "lr": "peak learning rate", "warmup": "steps of linear warm-up", "seed": "init and data order",
              "eval_every": "validate every N steps", "sample_every": "print a sample every N steps (0: never)",
-             "ckpt_every": "checkpoint every N steps", "log_every": "progress line every N steps"}
+             "ckpt_every": "checkpoint every N steps",
+             "ckpt_minutes": "checkpoint too when N minutes of training have passed since the last one, so a crash "
+                             "loses at most that (0: by steps only)",
+             "log_every": "progress line every N steps"}
     for name, text in helps.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(d[name]), metavar="X" if name == "lr" else "N",
-                       help=f"{text} (default {d[name]})")
+                       help=f"{text} (default {d[name]}{lr_note if name == 'lr' else ''})")
     p.add_argument("--stop-after", dest="stop_after", type=int, metavar="N",
                    help="stop (and checkpoint) after N steps of this run")
     p.add_argument("--out", default=out, help=f"folder for ckpt.npz and train_log.jsonl (default {out})")

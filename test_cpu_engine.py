@@ -290,6 +290,28 @@ def test_sample_cli_samples_and_speed_line(one_step_ckpt):
     assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
 
+def test_model_text_shown_to_a_person_escapes_control_bytes(tmp_path, monkeypatch, capsys):
+    """Issue 31 item 5: NUL, ESC and the other C0/C1 controls (not newline, tab) reach the terminal and report.md
+    as \\xNN, through pl.stream (sample), print_sample (training's samples), chat and the report."""
+    assert pl.printable("a\x00b\x1b[31mc\n\td\r\x7f\x9bé€") == "a\\x00b\\x1b[31mc\n\td\\x0d\\x7f\\x9bé€"
+    assert pl.printable(pl.printable("\x1b")) == "\\x1b"
+    tok = bpe.Tokenizer([])
+    bad = tok.encode("A\x00\x1b[2J\x07\nB")
+    assert pl.stream(tok, iter(bad), "p\x1b") == len(bad)
+    assert capsys.readouterr().out == "p\\x1bA\\x00\\x1b[2J\\x07\nB\n"
+    text = pl.print_sample(tok, lambda ids, n, rng: iter(bad), "", 8)
+    assert text == "A\\x00\\x1b[2J\\x07\nB" and "\x1b" not in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("hi\n"))
+    pl.chat_repl(tok, lambda ids, n: iter(bad + [tok.eot]), True, 16, 512)
+    assert "A\\x00\\x1b[2J\\x07\nB" in capsys.readouterr().out
+    import evaluate
+    (tmp_path / pl.LOG).write_text(json.dumps(dict(step=1, loss=5.0, ms=10.0, tokens=32)) + "\n")
+    report = evaluate.write_report(str(tmp_path), {"seq": 16, "config": "tiny"}, pl.CONFIGS["tiny"], 4.0, 2.0,
+                                   tok.decode(bad))
+    raw = open(report, "rb").read()
+    assert b"A\\x00\\x1b[2J" in raw and not set(raw) & (set(range(32)) - {9, 10})
+
+
 def test_kv_cache_generation_equals_uncached():
     cfg = pl.CONFIGS["tiny"]
     P = pl.Params.init(cfg, 3)
@@ -402,6 +424,135 @@ def test_stop_flag_restores_the_previous_handler(tmp_path):
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+class _ObjectiveTrainer:
+    """A train_loop trainer whose step k (1-based, counted from the run's start) has the objective
+    objectives[k - 1]; it changes no weights."""
+    sync_every_step = True
+
+    def __init__(self, objectives, start=0):
+        self.cfg = pl.CONFIGS["tiny"]
+        self.P, self.objectives, self.k = pl.Params.init(self.cfg), objectives, start
+
+    def step(self, x, y, lr):
+        self.k += 1
+
+    def results(self):
+        o = self.objectives[self.k - 1]
+        return [(o, [o] * 3, 0.5)]
+
+    def host_state(self):
+        return self.P, pl.Params(self.cfg), pl.Params(self.cfg)
+
+
+def _fake_run(out, objectives, start=0, **args):
+    batches = pl.Batches(np.arange(1000, dtype=np.uint16) % 256, 2, 8)
+    args = dict(pl.TRAIN_DEFAULTS, **{"steps": len(objectives), "schedule_steps": len(objectives), "log_every": 1,
+                                      "ckpt_every": 1000, **args})
+    pl.train_loop(_ObjectiveTrainer(objectives, start), bpe.Tokenizer([]), batches, args, str(out), start=start)
+
+
+def _logged_steps(out):
+    return [json.loads(l)["step"] for l in open(out / pl.LOG)]
+
+
+def test_non_finite_flags_are_refused_in_one_line(one_step_ckpt, tmp_path, corpus):
+    """Issue 31 item 2: --lr inf and nan are refused as --lr -1 is, and every other float flag of the training
+    modes and of sampling likewise."""
+    for flags in (["--lr", "inf"], ["--lr", "nan"], ["--ckpt-minutes", "inf"], ["--ckpt-minutes", -1]):
+        r = run_cli("train", "--out", tmp_path / "t", "--steps", 3, *flags, env_extra=corpus[1])
+        assert_one_line_error(r, " ".join(map(str, flags)))
+    assert not (tmp_path / "t").exists()
+    for mode, flag, value in (("sft", "--lr", "inf"), ("dpo", "--lr", "nan"), ("dpo", "--beta", "inf")):
+        r = run_cli(mode, "--ckpt", one_step_ckpt, "--out", tmp_path / mode, "--steps", 1, flag, value)
+        assert_one_line_error(r, f"{flag} {value}")
+    for flag in ("--temperature", "--repetition-penalty"):
+        assert_one_line_error(run_cli("sample", "--ckpt", one_step_ckpt, flag, "inf"), f"{flag} inf")
+
+
+def test_nan_loss_names_only_a_checkpoint_that_exists(tmp_path):
+    """Issue 31 items 2 and 9: a NaN before the first checkpoint says none was written; a run checkpoints by
+    time too (--ckpt-minutes, 10 by default), and a NaN then names the checkpoint of that step, which exists."""
+    assert pl.TRAIN_DEFAULTS["ckpt_minutes"] == 10
+    with pytest.raises(pl.UserError, match=r"loss is nan at step 2; stopped, no checkpoint was written yet") as e:
+        _fake_run(tmp_path / "a", [3.0, math.nan, 3.0])
+    assert "ckpt.npz" not in str(e.value) and not (tmp_path / "a" / "ckpt.npz").exists()
+    with pytest.raises(pl.UserError, match=r"at step 3; stopped, the checkpoint of step 2 is kept \(.*ckpt.npz\)"):
+        _fake_run(tmp_path / "b", [3.0, 3.0, math.nan], ckpt_minutes=1e-9)     # every step is 'due'
+    assert pl.load_checkpoint(str(tmp_path / "b"), want_state=True)[2]["step"] == 2
+
+
+def test_a_run_logs_each_step_once_and_one_run_only(tmp_path):
+    """Issue 31 item 3: a new run in a folder with a dead run's log (no checkpoint) starts the log afresh, and
+    drops the old checkpoint's evals; a resume from step 4 of a log that went on to step 6 logs 5 and 6 once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / pl.LOG).write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 73)) + '{"st')
+    (out / pl.EVALS).write_text('{"task": "bpb", "bpb": 1.0}\n')
+    _fake_run(out, [3.0] * 3)
+    assert _logged_steps(out) == [1, 2, 3] and not (out / pl.EVALS).exists()
+    (out / pl.LOG).write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 7)))
+    _fake_run(out, [3.0] * 6, start=4)
+    assert _logged_steps(out) == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(l)["loss"] for l in open(out / pl.LOG)] == [9.0] * 4 + [3.0] * 2
+    assert sorted(os.listdir(out)) == ["ckpt.npz", pl.LOG]        # no temporary file left
+
+
+def test_new_run_report_counts_its_own_wall_time(tmp_path, corpus):
+    """Issue 31 item 3 on the command line: a dead run's 72 logged steps of 1000 s each are not this run's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / pl.LOG).write_text("".join(json.dumps({"step": s, "loss": 9.0, "ms": 1e6, "tokens": 64}) + "\n"
+                                      for s in range(1, 73)))
+    r = _train(out, corpus, "--steps", 2)
+    assert r.returncode == 0 and "starts the log afresh" in r.stdout, r.stdout + r.stderr
+    assert _logged_steps(out) == [1, 2]
+    report = (out / "report.md").read_text()
+    wall = float(re.search(r"wall time: ([\d.]+) s", report).group(1))
+    assert wall < 100 and "tokens seen: 128 (2 steps x 64)" in report, report
+
+
+def test_resume_refuses_another_batch_seq_or_grad_accum(tmp_path, corpus):
+    """Issue 31 item 4: the README promises an exact continuation, so a resume that would change what a step
+    sees is refused in one line that names the run's values."""
+    out = tmp_path / "r"
+    assert _train(out, corpus, "--steps", 2).returncode == 0
+    for flag, value in (("--batch", 4), ("--seq", 16), ("--grad-accum", 2)):
+        r = run_cli("resume", "--out", out, "--steps", 4, flag, value, env_extra=corpus[1])
+        assert_one_line_error(r, f"{flag} {value}", "--batch 2, --seq 32, --grad-accum 1")
+    assert _logged_steps(out) == [1, 2]
+
+
+def test_curves_count_each_steps_own_tokens_and_never_run_backwards(tmp_path):
+    """Issue 31 item 4: tokens seen are the sum of each step's own (SFT's batches differ in length), a step
+    a resume repeated (a log from before start_log) counts once, and the tokens axis only goes forward."""
+    import evaluate
+    recs = [(1, 16), (2, 16), (3, 48), (4, 8), (3, 48), (4, 8), (5, 8)]
+    (tmp_path / pl.LOG).write_text("".join(json.dumps({"step": s, "loss": 5.0, "ms": 10.0, "tokens": n}) + "\n"
+                                           for s, n in recs))
+    c = evaluate.curves(str(tmp_path))
+    assert list(c["step"]) == [1, 2, 3, 4, 5] and list(c["tokens"]) == [16, 32, 80, 88, 96]
+    assert list(c["wall"]) == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+
+
+def test_failed_start_leaves_no_out_folder_and_checks_out_first(tmp_path, corpus):
+    """Issue 31 items 8 and 1: a token file too short to train on leaves no --out folder behind; an --out that
+    is a file, or a token cache that cannot be written, is one error line before any slow work."""
+    tok = bpe.Tokenizer([])
+    tok.save(str(tmp_path / "three.bpe"))
+    np.array([1, 2, 3], "<u2").tofile(tmp_path / "three.bin")
+    r = run_cli("train", "--data", tmp_path / "three.bin", "--out", tmp_path / "o", "--steps", 2)
+    assert_one_line_error(r, "too few")
+    assert not (tmp_path / "o").exists()
+    note = tmp_path / "note.txt"
+    note.write_text("mine")
+    for mode in ("train", "resume"):
+        assert_one_line_error(run_cli(mode, "--out", note, "--steps", 2, env_extra=corpus[1]), "--out", "is a file")
+    r = run_cli("train", "--data", corpus[0], "--out", tmp_path / "p", "--steps", 2,
+                env_extra={"NANOEULER_CACHE": str(note / "cache")})
+    assert_one_line_error(r, "token cache")
+    assert note.read_text() == "mine" and not (tmp_path / "p").exists()
 
 
 def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
@@ -526,6 +677,9 @@ def test_pretrain_sft_chat_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     before, after = map(float, re.search(r"before ([\d.]+) -> after ([\d.]+)", r.stdout).groups())
     assert after < before
+    # issue 31 item 8: the last checkpoint is kept, and the final line says which evaluation was best
+    assert re.search(r"after [\d.]+, (the best evaluation|the best was [\d.]+ at step \d+)", r.stdout), r.stdout
+    assert "(step 20, the last)" in r.stdout
     r = run_cli("chat", "--ckpt", chat / "ckpt.npz", "--tokens", 20, stdin="What is a statement?\n" + "x " * 600 + "\n",
                 env_extra=env)
     assert r.returncode == 0, r.stderr
