@@ -468,9 +468,11 @@ WIRE_CASES = [                                   # (prompt key, max_tokens, stop
     ("Count.", 60, ["fi", "t"]),                 # "t" of " two" comes first though listed last
     ("Say hello.", 60, ["he", " t"]),            # both end in the token " the": " t" begins first
 ]
+WIRE_IDS = [f"{k.split()[0].strip('.').lower()}-{n}-{len([s] if isinstance(s, str) else s or [])}stops"
+            for k, n, s in WIRE_CASES]
 
 
-@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES)
+@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES, ids=WIRE_IDS)
 def test_chat_wire_format_finish_reason_and_usage(model, scripted, key, max_tokens, stop):
     """Authority: OpenAI's API reference for POST /v1/chat/completions: the chat completion object
     (object "chat.completion", choices[0].message {role "assistant", content}, finish_reason "stop" when the
@@ -514,7 +516,7 @@ def test_chat_wire_format_finish_reason_and_usage(model, scripted, key, max_toke
     assert status == 200 and all(c["choices"] for c in sse_chunks(raw))
 
 
-@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES[::2])
+@pytest.mark.parametrize("key,max_tokens,stop", WIRE_CASES[::2], ids=WIRE_IDS[::2])
 def test_completions_wire_format(model, scripted, key, max_tokens, stop):
     """Authority: OpenAI's API reference for the (legacy) POST /v1/completions: object "text_completion",
     choices[0] {text, index, logprobs, finish_reason}, usage; streamed, the same object per event, text
