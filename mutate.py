@@ -34,6 +34,8 @@ _STREAMS = ("test_cpu_engine.py::test_batched_streams_sample_their_own_logits_an
 _CHAT = ("test_cpu_engine.py::test_chat_history_drops_the_oldest_turns_when_the_context_is_full",)
 _SFT = ("test_cpu_engine.py::test_sft_example_without_a_counted_response_token_is_skipped",)
 _LAST_VAL = ("test_cpu_engine.py::test_last_step_is_validated",)
+_REPORT = ("test_evaluate.py::test_report_tokens_sum_each_steps_own_and_count_a_repeated_step_once",
+           "test_evaluate.py::test_report_tokens_sum_steps_of_unequal_size")
 _CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and_rename",
          "test_cpu_engine.py::test_checkpoint_replaces_the_file_a_reader_holds_by_rename")
 # <36a tests>
@@ -197,6 +199,11 @@ MUTANTS = [
        "    finally:", 1)], _CKPT),
     ("checkpoint's temporary file is the checkpoint", "pipeline.py",
      [('    tmp = f"{path}.{os.getpid()}.tmp"\n    try:', "    tmp = path\n    try:", 1)], _CKPT),
+    ("report tokens are steps x the last step's", "evaluate.py",
+     [('tokens = np.cumsum([r["tokens"] for r in recs], dtype=float)',
+       'tokens = step * np.array([r["tokens"] for r in recs], float)', 1)], _REPORT),
+    ("run log keeps a step a resume repeated", "pipeline.py",
+     [('while recs and recs[-1]["step"] >= rec["step"]:', 'while recs and recs[-1]["step"] > rec["step"]:', 1)], _REPORT),
     # <36a>
     # issue 36, H-tests36a's (/work/brief/mutants_36a.py): serve.py's wire format against OpenAI's API reference,
     # export.py's GGUF header as llama.cpp reads it, bpe.py's edges against Hugging Face tokenizers

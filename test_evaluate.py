@@ -285,7 +285,6 @@ def _write_log(run, recs):
             f.write(json.dumps(dict(r, loss=5.0, ms=10.0)) + "\n")
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate.curves counts step x that step's tokens (issue 36; H-train31 fixes it)")
 def test_report_tokens_sum_each_steps_own_and_count_a_repeated_step_once(tmp_path):
     """Authority: the definition of tokens seen, the tokens the final weights were trained on: each step's
     own count ("tokens" in its log line, the tokens of that step's batch), summed over the steps, a step
@@ -301,7 +300,6 @@ def test_report_tokens_sum_each_steps_own_and_count_a_repeated_step_once(tmp_pat
     assert re.search(r"- tokens seen: 320\b", report), report
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate.curves counts step x that step's tokens (issue 36; H-train31 fixes it)")
 def test_report_tokens_sum_steps_of_unequal_size(tmp_path):
     """Authority: as above, without a resume: steps of 16, 16, 48 tokens (a batch changed between runs that
     each ran to their end) saw 80 tokens, not 3 x 48."""
