@@ -1036,7 +1036,7 @@ def cmd_train(argv, mode="train"):
     text = {"train": "pretrain (on the embedded default corpus unless --data)",
             "resume": "continue the run in --out from its checkpoint (train --resume)"}[mode]
     p = pl.Parser(prog=f"{PROG} {mode}", description=text)
-    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=pl.TRAIN_DEFAULTS, lr_note=" (small; 0.001 for the others)")
+    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=pl.TRAIN_DEFAULTS, lr_note=" for small, 0.001 for the other configs")
     a = p.parse_args(argv)
     a.resume = a.resume or mode == "resume"
     a.config = pl.config_arg(a)

@@ -125,6 +125,12 @@ def test_every_cli_answers_help():
     assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
 
 
+def test_train_help_gives_the_lr_default_once():
+    """--lr's help read "(small; 0.001 for the others) (default 0.003)": the default, then its exceptions."""
+    out = " ".join(run_cli("train", "--help").stdout.split())
+    assert "peak learning rate (default 0.003 for small, 0.001 for the other configs)" in out, out
+
+
 def test_importing_an_engine_loads_no_server_exporter_or_launcher():
     """The engines are libraries too (gradcheck.py, the GPU's references, the tests): serve, export, evaluate
     and distributed load in the modes that use them. pipeline.py loads none either."""
