@@ -569,5 +569,6 @@ def run(a, tok, cfg, chat, generate, engine):
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
         print("[stopped]", flush=True)
+        raise                                         # status 130, as every mode's Ctrl-C
     finally:
         server.server_close()

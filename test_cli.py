@@ -226,9 +226,10 @@ def _interrupted(script, *args, ready="", env=None):
 
 
 def test_ctrl_c_exits_130_everywhere(one_step_ckpt, corpus, tmp_path):
-    """Ctrl-C ends every mode with status 130 and no traceback (gradcheck.py ended with a traceback)."""
+    """Ctrl-C ends every mode with status 130 and no traceback (serve exited 0, gradcheck.py with a traceback)."""
     path, env = corpus
     for script, args, ready in (
+            ("nanoeuler.py", ["serve", "--ckpt", one_step_ckpt, "--port", 0], "serving"),
             ("nanoeuler.py", ["train", "--data", path, "--out", tmp_path / "run", "--steps", 10 ** 6, "--batch", 2,
                               "--seq", 32, "--sample-every", 0, "--log-every", 1], "| loss"),   # a step, compiled
             ("gradcheck.py", ["all"], "")):
