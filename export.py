@@ -237,7 +237,7 @@ def export_gguf(P, tok, out, dtype):
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(strings + list(tok.specials) + [f"[PAD{i}]" for i in range(n_tok, cfg.vocab)])
-    w.add_token_types([T.NORMAL] * n_base + [T.CONTROL] * (n_tok - n_base) + [T.USER_DEFINED] * (cfg.vocab - n_tok))
+    w.add_token_types([T.NORMAL] * n_base + [T.CONTROL] * (n_tok - n_base) + [T.UNUSED] * (cfg.vocab - n_tok))
     w.add_token_merges([f"{strings[a]} {strings[b]}" for a, b in tok.merges])
     w.add_bos_token_id(eot)
     w.add_eos_token_id(eot)

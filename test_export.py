@@ -230,9 +230,6 @@ def test_gguf_metadata_is_the_contracts_model(tiny_gguf):
     assert field(K.Tokenizer.MODEL) == "gpt2" and len(field(K.Tokenizer.MERGES)) == len(tok.merges)
 
 
-@pytest.mark.xfail(strict=True, reason="export.py types the padding rows USER_DEFINED: llama.cpp's "
-                   "convert_hf_to_gguf.py (get_vocab_base) types them UNUSED; llama.cpp matches USER_DEFINED "
-                   "tokens in raw text, so a text holding '[PAD290]' would tokenize to that id")
 def test_gguf_padding_rows_are_unused(tiny_gguf):
     """Authority: llama.cpp's converter, convert_hf_to_gguf.py: an id past the tokenizer's vocabulary is
     written as "[PAD{i}]" of type UNUSED."""
