@@ -625,7 +625,7 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
         assert r["choices"][0]["text"] == engine_text(model, model[1].encode("It was"), 5)[0]   # --temperature 0
     finally:
         rc, out, err = _stop(p)
-    assert rc == 0 and "[stopped]" in out and "done /v1/completions" in err
+    assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err
 
 
 def test_serve_speculates_per_request_as_sample_does(monkeypatch):
