@@ -156,7 +156,7 @@ def hellaswag_sequences(tok, item, ctx_len):
 def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None, batch_items=1):
     """-> dict(acc, acc_norm, n, truncated, preds: [(pred, pred_norm, label)]). logprobs_fn scores the
     sequences of batch_items items a call (None: every item in one call, as the GPU batches them). acc
-    picks the argmax of each ending's summed log-prob; acc_norm of the sum / len(" " + ending) in characters
+    picks the argmax of each ending's summed log-prob; acc_norm of the sum / len(ending) in characters
     (as lm-evaluation-harness does)."""
     tokd = [hellaswag_sequences(tok, item, ctx_len) for item in items]
     n_cut = sum(cut for _, _, cut in tokd)
@@ -169,7 +169,7 @@ def hellaswag(tok, items, logprobs_fn, ctx_len, warn=None, batch_items=1):
     preds, lps = [], iter(lps)
     for item, (_, ns, _) in zip(items, tokd):
         sums = [float(np.sum(lp[len(lp) - n:])) for n, lp in zip(ns, lps)]    # ns first: zip stops on it
-        norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
+        norm = [s / len(e) for s, e in zip(sums, item["endings"])]          # the ending alone, not its " "
         preds.append((int(np.argmax(sums)), int(np.argmax(norm)), item["label"]))
     n = len(preds)
     return dict(acc=sum(p == l for p, _, l in preds) / n, acc_norm=sum(q == l for _, q, l in preds) / n, n=n,

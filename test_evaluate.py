@@ -45,7 +45,7 @@ def test_hellaswag_fixture_item_for_item(model):
             t = tok.encode(" " + e)
             ids = (c + t)[-P.cfg.ctx:]
             sums.append(_logp_by_hand(P, ids)[-len(t):].sum())
-        norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]
+        norm = [s / len(e) for s, e in zip(sums, item["endings"])]              # lm-evaluation-harness: len(choice)
         assert (pred, pred_norm, label) == (int(np.argmax(sums)), int(np.argmax(norm)), item["label"])
     assert r["acc"] == np.mean([p == l for p, _, l in r["preds"]])
     assert r["acc_norm"] == np.mean([q == l for _, q, l in r["preds"]])
@@ -264,8 +264,6 @@ def test_hellaswag_acc_and_acc_norm_of_a_hand_computed_item():
     assert r["preds"] == [(1, 2, 2), (1, 2, 1)] and (r["acc"], r["acc_norm"]) == (0.5, 0.5)
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate.hellaswag divides by len(' ' + ending); lm-evaluation-harness "
-                                       "divides by len(ending), without the delimiter it scores")
 def test_hellaswag_acc_norm_excludes_the_leading_space():
     """Authority: lm-evaluation-harness: the request is (context, " " + choice) (target_delimiter " "), but
     completion_len = len(choice), the ending alone. 'a' (1 character) at -1 and 'abcd' (4) at -3.2: per
