@@ -38,11 +38,11 @@ _REPORT = ("test_evaluate.py::test_report_tokens_sum_each_steps_own_and_count_a_
            "test_evaluate.py::test_report_tokens_sum_steps_of_unequal_size")
 _CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and_rename",
          "test_cpu_engine.py::test_checkpoint_replaces_the_file_a_reader_holds_by_rename")
-# <36a tests>
-_T36A_SERVE = ('test_serve.py', '-k', 'wire or stop_strings or scripted')
-_T36A_EXPORT = ('test_export.py', '-k', 'metadata or padding')
-_T36A_BPE = ('test_tokenizer.py', '-k', 'hugging or hand_merges or own_id')
-# </36a tests>
+_T36A_SERVE = ("test_serve.py::test_chat_wire_format_finish_reason_and_usage", "test_serve.py::test_completions_wire_format",
+               "test_serve.py::test_up_to_four_stop_strings")
+_T36A_EXPORT = ("test_export.py::test_gguf_metadata_is_the_contracts_model",)
+_T36A_BPE = ("test_tokenizer.py::test_encodings_equal_hugging_face_tokenizers",
+             "test_tokenizer.py::test_merge_table_that_refers_to_its_own_id_is_refused")
 
 # (name, file, [(old, new, times)][, pytest arguments]): old must occur exactly `times` times in the file; the
 # tests are DEFAULT_TESTS unless the mutant names its own (or --tests overrides them all)
@@ -204,7 +204,17 @@ MUTANTS = [
        'tokens = step * np.array([r["tokens"] for r in recs], float)', 1)], _REPORT),
     ("run log keeps a step a resume repeated", "pipeline.py",
      [('while recs and recs[-1]["step"] >= rec["step"]:', 'while recs and recs[-1]["step"] > rec["step"]:', 1)], _REPORT),
-    # <36a>
+    # issue 31's, from H-train31 (1d06231)
+    ("resume keeps the dead steps in the log", "pipeline.py", [('ok = rec["step"] <= step', "ok = True", 1)],
+     ("test_cpu_engine.py::test_a_run_logs_each_step_once_and_one_run_only",)),
+    ("resume accepts another batch", "pipeline.py",
+     [("for k in shape if args[k] != run.get(k, defaults[k])]", "for k in shape if False]", 1)],
+     ("test_cpu_engine.py::test_resume_refuses_another_batch_seq_or_grad_accum",)),
+    ("ESC reaches the terminal", "pipeline.py",
+     [("(*range(0x20), 0x7f, *range(0x80, 0xa0))", "(*range(0x1b), 0x7f, *range(0x80, 0xa0))", 1)],
+     ("test_cpu_engine.py::test_model_text_shown_to_a_person_escapes_control_bytes",)),
+    ("no checkpoint by time", "pipeline.py", [("or stopping or due", "or stopping", 1)],
+     ("test_cpu_engine.py::test_nan_loss_names_only_a_checkpoint_that_exists",)),
     # issue 36, H-tests36a's (/work/brief/mutants_36a.py): serve.py's wire format against OpenAI's API reference,
     # export.py's GGUF header as llama.cpp reads it, bpe.py's edges against Hugging Face tokenizers
     ('stream never sends [DONE]', 'serve.py',
@@ -249,7 +259,6 @@ MUTANTS = [
      [('if rank is not None and (best_rank is None or rank < best_rank):', 'if rank is not None and best_rank is None:', 1)], _T36A_BPE),
     ('merge that uses its own id accepted', 'bpe.py',
      [('if max(pair) >= 256 + len(merges):', 'if max(pair) > 256 + len(merges):', 1)], _T36A_BPE),
-    # </36a>
 ]
 
 
