@@ -1,13 +1,15 @@
 """
 mutate.py -- plants one bug at a time in the engine and reports whether the tests catch it (issue 11).
 
-Each mutant is an exact source replacement (or a few) in pipeline.py, nanoeuler.py or bpe.py, each a bug
-outside the gradients (gradcheck.py catches those): optimiser details, the schedule's shape, the MTP
-objective, batches and splits, SFT padding and masks, the chat template, sampling, the model's constants,
-checkpoints. For each mutant the repository's .py files are copied to a temporary folder with the Numba cache
-of an unmutated run (so that only a mutated nanoeuler.py recompiles), the replacement is applied (it must
-match exactly as often as stated), and `pytest -x` runs the tests there: caught if they fail, survived if
-they pass.
+Each mutant is an exact source replacement (or a few) in one file, each a bug outside the gradients
+(gradcheck.py catches those): optimiser details, the schedule's shape, the MTP objective, batches and splits,
+SFT padding and masks, the chat template, sampling, the model's constants, checkpoints; and (issue 36) where
+the code meets the outside world: HellaSwag's scores, the report, batched streams, chat history, the
+server's wire format, the GGUF header, tokenizer edges. For each mutant the repository's .py files (and what
+the tests read beside them) are copied to a temporary folder with the Numba cache of an unmutated run (so
+that only a mutated nanoeuler.py recompiles), the replacement is applied (it must match exactly as often as
+stated), and `pytest -x` runs the mutant's tests there (DEFAULT_TESTS unless it names its own): caught if
+they fail, survived if they pass.
 
     python3 mutate.py                 every mutant, 2 at a time; a table and the catch rate (`make mutation`)
     python3 mutate.py -k adam         the mutants whose name holds 'adam'
@@ -160,10 +162,13 @@ MUTANTS = [
      [('.decode("utf-8", "replace")', '.decode("utf-8", "surrogateescape")', 1)]),
     # issue 36: evaluation
     ("acc_norm over tokens, not characters", "evaluate.py",
-     [('norm = [s / len(" " + e) for s, e in zip(sums, item["endings"])]', "norm = [s / n for s, n in zip(sums, ns)]", 1)],
+     [('norm = [s / len(e) for s, e in zip(sums, item["endings"])]', "norm = [s / n for s, n in zip(sums, ns)]", 1)],
      _HELLASWAG),
     ("acc_norm over bytes, not characters", "evaluate.py",
-     [('norm = [s / len(" " + e) for s, e', 'norm = [s / len((" " + e).encode()) for s, e', 1)], _HELLASWAG),
+     [("norm = [s / len(e) for s, e", "norm = [s / len(e.encode()) for s, e", 1)], _HELLASWAG),
+    ("acc_norm counts the leading space", "evaluate.py",
+     [("norm = [s / len(e) for s, e", 'norm = [s / len(" " + e) for s, e', 1)],
+     ("test_evaluate.py::test_hellaswag_acc_norm_excludes_the_leading_space",)),
     ("hellaswag sums the context too", "evaluate.py",
      [("sums = [float(np.sum(lp[len(lp) - n:]))", "sums = [float(np.sum(lp))", 1)], _HELLASWAG),
     ("hellaswag scores one context token too many", "evaluate.py",
