@@ -306,6 +306,16 @@ def test_readme_commands_are_python3():
     assert "CONTRACT.md" in text
 
 
+def test_readme_is_a_users_guide_and_the_journal_is_apart():
+    """Issue 30: the README is a user's guide of at most 20,000 bytes (llm.c's is 16.5 KB, nanoGPT's 13.8 KB);
+    measurements and what was tried go to dev/LOG.md, dated entries, which the README links."""
+    readme = (ROOT / "README.md").read_bytes()
+    assert len(readme) <= 20_000, len(readme)
+    assert b"(dev/LOG.md)" in readme
+    log = (ROOT / "dev" / "LOG.md").read_text()
+    assert len(re.findall(r"(?m)^## 20\d\d-\d\d-\d\d ", log)) >= 10
+
+
 def test_outputs_are_ignored_by_git():
     r = subprocess.run(["git", "check-ignore", "out/ckpt.npz", "out_chat/ckpt.npz", "data/pretrain.bpe",
                         "data/pretrain.bin"], cwd=ROOT, capture_output=True, text=True)
