@@ -215,7 +215,8 @@ def test_adamw_pieces_see_the_decay_mask_of_their_offset():
 
 def test_train_loop_on_a_rank_other_than_0_writes_nothing(tmp_path):
     """Rank 1 of 2 takes part in the checkpoint (a collective) but writes no file, counts every rank's tokens,
-    and asks the others whether to stop at each progress line only."""
+    and asks the others whether to stop, then whether a checkpoint is due by time, at each progress line
+    only (every rank in the same order, or the collectives would pair wrongly)."""
     import bpe
     calls = []
 
@@ -238,7 +239,7 @@ def test_train_loop_on_a_rank_other_than_0_writes_nothing(tmp_path):
     args = dict(pl.TRAIN_DEFAULTS, steps=4, schedule_steps=4, log_every=2, ckpt_every=4)
     pl.train_loop(Rank1(), bpe.Tokenizer([]), batches, args, str(tmp_path))
     assert os.listdir(tmp_path) == []
-    assert calls == ["step", "step", "any_rank", "step", "step", "any_rank", "host_state"]
+    assert calls == ["step", "step", "any_rank", "any_rank", "step", "step", "any_rank", "any_rank", "host_state"]
 
 
 def test_cpu_engine_grad_accum_is_the_larger_batch(tmp_path):
