@@ -950,6 +950,132 @@ def generate_batch(P, prompt_ids, n, max_new, sampling, rng, arrivals=None):
     return outs
 
 
+# --- serve's decoder: rows of their own prompts and positions, decoded a step at a time together ---
+# The interface is serve.py's Decoder. A step's rows are rows of (n, features) activations, padded to a
+# multiple of 4 with zero rows: _rows_mm reads each weight row once for four rows (the cache-resident
+# small model's step is bound by the multiply-adds: four rows cost about what one costs) and sums each
+# row's products in one fixed order whatever the other rows are and however many; a BLAS product whose
+# width is the batch rounds widths differently. So a request's ids never depend on the batch around it.
+
+@njit(**KERNEL_OPTIONS)
+def _rows_mm(W, x, out):
+    """out (n, M) = x (n, K) @ W (M, K).T, n a multiple of 4, four rows a pass over each row of W."""
+    M, K = W.shape
+    for c in range(0, x.shape[0], 4):
+        x0, x1, x2, x3 = x[c], x[c + 1], x[c + 2], x[c + 3]
+        for m in range(M):
+            w = W[m]
+            s0 = s1 = s2 = s3 = out.dtype.type(0.0)
+            for k in range(K):
+                s0 += w[k] * x0[k]
+                s1 += w[k] * x1[k]
+                s2 += w[k] * x2[k]
+                s3 += w[k] * x3[k]
+            out[c, m], out[c + 1, m], out[c + 2, m], out[c + 3, m] = s0, s1, s2, s3
+    return out
+
+
+def rows_mm(W, x):
+    return _rows_mm(W, x, np.empty((x.shape[0], W.shape[0]), x.dtype))
+
+
+@njit(**KERNEL_OPTIONS)
+def _rows_attention(qkv, K, V, slots, pos, cos, sin, out):
+    """One decode step's attention, row r (qkv (n, Cq + 2 Ck), row-major) at position pos[r] of cache slot
+    slots[r] of K and V (slots, Hkv, hd, ctx): stores its rotated key and its value there and attends to
+    positions 0..pos[r] -> out[r] (Cq,). The sums of _cache_attention's plain decoding step."""
+    Hkv, hd, ctx = K.shape[1:]
+    Hq = out.shape[1] // hd
+    G = Hq // Hkv
+    n = len(slots)
+    q, k = np.empty((n, Hq, hd), K.dtype), np.empty((n, Hkv, hd), K.dtype)
+    for r in range(n):
+        for h in range(Hq):
+            q[r, h] = qkv[r, h * hd:(h + 1) * hd]
+        for h in range(Hkv):
+            k[r, h] = qkv[r, (Hq + h) * hd:(Hq + h + 1) * hd]
+    _rope(q, pos, cos, sin, 1.0)
+    _rope(k, pos, cos, sin, 1.0)
+    scale = K.dtype.type(1.0 / math.sqrt(hd))
+    rows, o = np.empty((2, ctx), K.dtype), np.empty((2, hd), K.dtype)
+    for r in range(n):
+        s, p = slots[r], pos[r]
+        for h in range(Hkv):
+            K[s, h, :, p] = k[r, h]
+            V[s, h, :, p] = qkv[r, (Hq + Hkv + h) * hd:(Hq + Hkv + h + 1) * hd]
+        e = p + 1
+        E = min(ctx, e + (-e) % 8)                              # whole vectors; the scores past e are unused
+        for kv in range(Hkv):
+            for g in range(0, G, 2):                            # its query heads in pairs (an odd last one twice)
+                h, h2 = kv * G + g, kv * G + min(g + 1, G - 1)
+                _scores2(q[r, h], q[r, h2], K[s, kv], rows, E)
+                _softmax(rows[0, :E], e, scale)
+                _softmax(rows[1, :E], e, scale)
+                _values2(rows, V[s, kv], o, E)
+                out[r, h * hd:(h + 1) * hd] = o[0]
+                out[r, h2 * hd:(h2 + 1) * hd] = o[1]
+
+
+SERVE_BATCH = 8                # serve's rows by default (--max-batch)
+
+
+class Decoder:
+    """serve's decoder on this engine (serve.py's Decoder): `capacity` rows, each a KV cache slot, its own
+    position, sampling rule, history and random generator. start() prefills a row alone (forward_cached, as
+    generate does); step() runs every given row's next token in one pass of the layers. A row samples as
+    generate does, by pl.Sampling.sample with its own generator: one uniform a sampled token, none greedy; so
+    a row alone follows generate with the same seed draw for draw (the logits agree to float32 rounding:
+    generate's step is a BLAS product, this one _rows_mm)."""
+
+    def __init__(self, P, capacity):
+        cfg = P.cfg
+        self.P, self.capacity, self.ctx = P, capacity, cfg.ctx
+        self.cache = KVCache(cfg, capacity, P.flat.dtype)
+        self.len = np.zeros(capacity, np.int32)                # each row's cached positions
+        self.rows = [None] * capacity                          # each row's [sampling, rng, ids so far]
+
+    def start(self, row, ids, sampling, seed):
+        c = self.cache
+        one = KVCache.__new__(KVCache)                         # the row's slot as a cache of one stream
+        one.k, one.v, one.cos, one.sin, one.len = c.k[:, row:row + 1], c.v[:, row:row + 1], c.cos, c.sin, 0
+        logits = forward_cached(self.P, ids, one)[-1]
+        self.len[row] = len(ids)
+        self.rows[row] = [sampling, np.random.default_rng(seed), list(ids)]
+        return self._sample(row, logits)
+
+    def step(self, rows):
+        P, cfg, c = self.P, self.P.cfg, self.cache
+        slots = np.asarray(rows, np.int64)
+        pos = self.len[slots]
+        n = len(rows)
+        N = n + (-n) % 4
+        x = np.zeros((N, cfg.dim), P.flat.dtype)
+        x[:n] = P["tok_emb"][[self.rows[r][2][-1] for r in rows]]
+        h, a, rstd = np.empty_like(x), np.zeros((N, cfg.n_heads * cfg.head_dim), x.dtype), np.empty(N, x.dtype)
+        for i in range(cfg.n_layers):
+            L = f"layers.{i}."
+            _rmsnorm_fwd(x, P[L + "attn_norm"], h, rstd)
+            _rows_attention(rows_mm(P.rows(L + "wq", L + "wv"), h), c.k[i], c.v[i], slots, pos, c.cos, c.sin, a)
+            x += rows_mm(P[L + "wo"], a)
+            _rmsnorm_fwd(x, P[L + "ffn_norm"], h, rstd)
+            x += rows_mm(P[L + "w2"], swiglu_forward(rows_mm(P.rows(L + "w1", L + "w3"), h)))
+        _rmsnorm_fwd(x, P["norm"], h, rstd)
+        logits = rows_mm(P["heads.0"], h)
+        self.len[slots] += 1
+        return np.array([self._sample(r, logits[j]) for j, r in enumerate(rows)], np.int64)
+
+    def _sample(self, row, logits):
+        if not np.isfinite(logits).all():
+            return -1
+        sampling, rng, ids = self.rows[row]
+        t = sampling.sample(logits, ids, rng)
+        ids.append(t)
+        return t
+
+    def free(self, row):
+        self.rows[row] = None
+
+
 # ----------------------------------------------------------------------------------------------------
 # trainer: the CPU engine's side of pipeline.train_loop
 
@@ -1017,12 +1143,6 @@ def cpu_generate(P, a, stats=None):
     sampling = pl.sampling_of(a)
     spec = speculative_of(P, a, sampling)
     return lambda ids, n, rng: generate(P, ids, n, rng=rng, sampling=sampling, speculative=spec, stats=stats)
-
-
-def serve_generate(P, a):
-    """serve's generate(ids, n, sampling, rng): each request's own sampling decides speculation, as in sample."""
-    return lambda ids, n, sampling, rng: generate(P, ids, n, rng=rng, sampling=sampling,
-                                                  speculative=speculative_of(P, a, sampling))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1152,10 +1272,11 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog=f"{PROG} serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), speculative_help=SPECULATIVE_HELP)
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default {SERVE_BATCH}: on 2 cores, "
+                          "small's 8 streams make 3-4x the tokens of one")
     a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", serve_generate(P, a), "CPU")
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows or SERVE_BATCH), "CPU")
 
 
 def cmd_export(argv):

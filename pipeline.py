@@ -1552,10 +1552,10 @@ def speculative_for(flag, sampling, pays=True):
     return flag if flag is not None else sampling.temperature <= 0 and pays
 
 
-def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, speculative_help=None):
+def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, speculative_help=None, speculative=True):
     """The flags of sample, chat and serve: the checkpoint, the sampling rule and speculative decoding (by
-    default speculative_for's rule, said by speculative_help if given). tokens_help and seed_help: what
-    --tokens and --seed mean where they mean something else (serve)."""
+    default speculative_for's rule, said by speculative_help if given; speculative=False: no such flag).
+    tokens_help and seed_help: what --tokens and --seed mean where they mean something else (serve)."""
     p.add_argument("--ckpt", default=ckpt, help=f"checkpoint file or run folder (default {ckpt})")
     p.add_argument("--tokens", type=int, default=200, help=tokens_help or "most tokens to generate (default 200; "
                    "generation stops when the context is full; a longer prompt keeps its last tokens, with a notice)")
@@ -1568,6 +1568,8 @@ def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, spe
                    help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
     p.add_argument("--repetition-penalty", dest="repetition_penalty", type=float, default=1.0,
                    help="divide the logits of ids already in the text by this (CTRL's rule; default 1: off)")
+    if not speculative:
+        return
     default = speculative_help or ("on when greedy, where a trained model's drafts make it faster; off when sampling, "
                                    "where fewer drafts are kept and it costs more than it saves")
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,

@@ -1,5 +1,6 @@
 """
-serve.py -- an OpenAI-compatible HTTP server and a web chat page, over either engine.
+serve.py -- an OpenAI-compatible HTTP server and a web chat page, over either engine, decoding every
+active request in one batch (continuous batching).
 
     python3 nanoeuler.py serve --ckpt out_chat [--host 127.0.0.1] [--port 8000]       # the CPU engine
     python3 nanoeuler_cuda.py serve --ckpt out_chat                                    # the GPU engine
@@ -7,9 +8,12 @@ serve.py -- an OpenAI-compatible HTTP server and a web chat page, over either en
 Routes: GET / is the chat page (chat.html, beside this file); GET /v1/models and /v1/models/NAME; POST
 /v1/chat/completions and /v1/completions, streamed as server-sent events (`data: {chunk}` lines, then
 `data: [DONE]`) when the request says "stream": true. Honoured: model, max_tokens (or
-max_completion_tokens), temperature, top_p, stop, seed, stream, stream_options.include_usage, and top_k and
-repetition_penalty beyond OpenAI's set; n must be 1; other fields are ignored. A mistake gets a 4xx answer
-with OpenAI's error body {"error": {"message", "type", "param", "code"}}.
+max_completion_tokens), temperature, top_p, stop, seed, n (choice i draws with seed + i), stream,
+stream_options.include_usage, and beyond OpenAI's set top_k, repetition_penalty and ignore_eos (vLLM's:
+<|endoftext|> does not end the answer, so a load test's answers run their max_tokens); other fields are
+ignored. A mistake gets a 4xx answer with OpenAI's error body {"error": {"message", "type", "param",
+"code"}}: 401 without the --api-key (when one is set), 429 with Retry-After when --max-queue requests
+already wait; a request whose logits go non-finite gets a 500 (streamed: an error event), the others go on.
 
 Chat messages take the SFT template of CONTRACT.md (a chat checkpoint) or are joined as plain text (a base
 checkpoint, which continues it), one turn per user message, as the chat mode does (pipeline.user_turn and
@@ -17,19 +21,38 @@ fit_turns): the oldest turns are dropped when the conversation outgrows the cont
 in front of the next user message. Generation ends at <|endoftext|> or a stop string ("stop"), at
 max_tokens or the context's end ("length").
 
-The engine is a function generate(ids, max_new, sampling, rng) -> iterator of ids (sampling a
-pipeline.Sampling, rng a numpy Generator). One worker thread runs the requests one at a time in arrival
-order; each connection has its own thread (the standard library's ThreadingHTTPServer: no dependency), which
-waits for its request's text. A client that closes its connection frees its place: a queued request is
-skipped, a running one stops at its next token.
+The engine hands serve a decoder of `capacity` rows (--max-batch), used from the scheduler thread alone:
+
+    capacity: int, ctx: int           # rows; the model's context (a row's prompt + ids <= ctx)
+    start(row, ids, sampling, seed)   # prefill free row `row` with ids (1 <= len < ctx), its repetition
+                                      # history = ids, its own generator np.random.default_rng(seed)
+                                      # -> its first id (-1: the logits are not finite)
+    step(rows) -> ids                 # rows: active rows, ascending; feeds each the id it returned last
+                                      # -> an int array of each row's next id (-1: not finite). serve never
+                                      # passes a row whose position would pass ctx
+    free(row)                         # forget the row; its slot is reusable at once
+
+Sampling is a pipeline.Sampling per row, drawn from the row's own generator (one uniform a sampled
+token), from its own logits and history: a row's ids depend on its prompt, sampling and seed alone, never
+on the rows beside it, so a request gets the same text alone or among others (the engines keep each row's
+numerics independent of the batch). Speculative decoding is not used here.
+
+One scheduler thread (Scheduler) loops: it starts queued requests in free rows (prefill and first id),
+runs one step for every active row, decodes each id (UTF-8 cut between tokens waits for its end) and
+scans for stop strings, and frees a finished row at once. Each connection has its own thread (the
+standard library's ThreadingHTTPServer: no dependency), which wakes when its request has text and writes
+everything made since its last wake-up in one piece. A client that closes its connection frees its place:
+a queued request is dropped, a running one's rows are freed at the next step.
 
 Sections: errors | requests | generation | HTTP | command line.
 """
+import collections
 import errno
+import hmac
+import ipaddress
 import itertools
 import json
 import os
-import queue
 import select
 import socket
 import sys
@@ -48,14 +71,16 @@ PAGE = os.path.join(HERE, "chat.html")
 MAX_BODY = 1 << 20          # bytes of a request body
 MAX_STOPS = 4               # stop strings per request, as OpenAI allows
 POLL = 0.1                  # seconds between two looks at a waiting client's socket
+MAX_QUEUE = 256             # requests waiting for a row, by default; one more is answered 429
+KEY_ENV = "NANOEULER_API_KEY"   # the API key's environment variable (--api-key)
 
 # ----------------------------------------------------------------------------------------------------
 # errors: each becomes an OpenAI-style JSON answer
 
 class ApiError(Exception):
-    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error"):
+    def __init__(self, status, message, param=None, code=None, kind="invalid_request_error", headers=None):
         super().__init__(message)
-        self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers or {}
 
     def body(self):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -68,16 +93,37 @@ def _reject_constant(name):                       # json.loads reads NaN and Inf
 # ----------------------------------------------------------------------------------------------------
 # requests: a JSON body -> a Job (prompt ids, how many tokens, how to sample), or an ApiError
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     prompt: list                  # ids, fewer than ctx
     max_new: int
     sampling: pl.Sampling
-    seed: int
+    seed: int                     # choice i draws with seed + i
     stop: list                    # strings that end the text (not included)
     path: str                     # the route, for the log
-    out: queue.Queue = field(default_factory=queue.Queue)     # ("text", s)..., ("done", finish, n) or ("error", s)
+    n: int = 1                    # choices: rows of the batch
+    ignore_eos: bool = False      # <|endoftext|> does not end a choice (vLLM's ignore_eos: load tests)
+    events: list = field(default_factory=list)   # ("text", i, s)..., ("done", i, finish, ids) or ("error", s)
+    ready: threading.Event = field(default_factory=threading.Event)  # events are waiting
+    lock: threading.Lock = field(default_factory=threading.Lock)
     gone: threading.Event = field(default_factory=threading.Event)   # the client closed its connection
+    done: int = 0                 # choices ended (None: the job failed or its client left)
+    tokens: int = 0               # ids drawn by its ended choices
+    t0: float = 0.0
+
+    def put(self, event):
+        with self.lock:
+            self.events.append(event)
+            self.ready.set()
+
+    def take(self, timeout):
+        """Every event put since the last take (the connection's thread writes them at once), after waiting
+        up to timeout seconds for one."""
+        self.ready.wait(timeout)
+        with self.lock:
+            events, self.events = self.events, []
+            self.ready.clear()
+        return events
 
 
 def _number(body, name, default, lo, hi, integer=False, lo_open=False):
@@ -142,8 +188,9 @@ class Requests:
     """What the handlers share: the model's facts, the request defaults, the tokenizer (thread-safe) and the
     generator of seeds for requests that give none (behind a lock)."""
 
-    def __init__(self, tok, ctx, chat, name, defaults, seed):
+    def __init__(self, tok, ctx, chat, name, defaults, seed, capacity):
         self.tok, self.ctx, self.chat, self.name, self.defaults = tok, ctx, chat, name, defaults
+        self.capacity = capacity                  # rows of the batch: the most choices (n) of a request
         self.lock = threading.Lock()
         self.seeds = np.random.default_rng(seed)
 
@@ -155,8 +202,9 @@ class Requests:
         if model is not None and model != self.name:
             raise ApiError(404, f"the model {json.dumps(model)} does not exist; this server has {self.name!r}",
                            "model", "model_not_found")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "n must be 1: one answer per request", "n")
+        n = _number(body, "n", 1, 1, self.capacity, integer=True)     # (its bound: the batch's rows, --max-batch)
+        if not isinstance(body.get("ignore_eos", False), bool):
+            raise ApiError(400, "ignore_eos must be true or false", "ignore_eos")
         if body.get("logprobs"):
             raise ApiError(400, "logprobs are not served", "logprobs")
         d, ctx = self.defaults, self.ctx
@@ -182,7 +230,8 @@ class Requests:
             raise ApiError(400, "stream_options must be an object, as {\"include_usage\": true}", "stream_options")
         prompt = self.chat_prompt(body, max_new) if chat else self.text_prompt(body)
         path = "/v1/chat/completions" if chat else "/v1/completions"      # an empty prompt starts a document:
-        return Job(prompt or [self.tok.eot], max_new, sampling, seed % (1 << 64), stop, path)        # <|endoftext|>
+        return Job(prompt or [self.tok.eot], max_new, sampling, seed % (1 << 64), stop, path,        # <|endoftext|>
+                   n, body.get("ignore_eos", False))
 
     def too_long(self, n, param):
         return ApiError(400, f"the prompt is {n} tokens; this model's context is {self.ctx} tokens, and at least one "
@@ -218,7 +267,7 @@ class Requests:
 
 
 # ----------------------------------------------------------------------------------------------------
-# generation: one worker thread runs the queued jobs in order; text goes out as it is decoded
+# generation: one scheduler thread runs every active request's rows a decode step at a time
 
 class StopScan:
     """Text in, text safe to send out: holds back an ending that may begin a stop string; says when one is
@@ -241,69 +290,148 @@ class StopScan:
         return out
 
 
-class Worker:
-    """Runs jobs one at a time: generate(ids, max_new, sampling, rng) yields ids; the worker decodes them
-    (UTF-8 characters cut between tokens wait for their end), stops at <|endoftext|>, a stop string, max_new
-    or the context, and stops early, closing the generator, when the job's client has gone."""
+@dataclass(eq=False)
+class Choice:
+    """One of a job's answers: a row of the batch, its text decoded as its ids come (UTF-8 characters cut
+    between tokens wait for their end) and scanned for stop strings."""
+    job: Job
+    index: int
+    row: int
+    dec: object
+    scan: StopScan
+    n: int = 0                    # ids drawn
 
-    def __init__(self, tok, generate, log):
-        self.tok, self.generate, self.log = tok, generate, log
-        self.jobs = queue.Queue()
-        self.skipped = 0                                 # jobs whose client left while they waited
-        self.thread = threading.Thread(target=self.loop, name="generation", daemon=True)
+
+class Scheduler:
+    """Runs the jobs as rows of the decoder's batch: each turn of its loop starts the queued jobs that
+    free rows can take (in arrival order; a job of n choices takes n rows), then runs one decoder step for
+    every active row and hands each its id. A row ends at <|endoftext|> (unless ignore_eos), a stop string,
+    max_tokens or the context's end, and its slot is free for the next turn; a job whose client has gone
+    is dropped at the next turn, queued or running; a row whose logits are not finite fails its job alone."""
+
+    def __init__(self, tok, decoder, log, max_queue):
+        self.tok, self.decoder, self.log, self.max_queue = tok, decoder, log, max_queue
+        self.waiting, self.active = collections.deque(), {}          # jobs in arrival order; row -> Choice
+        self.free = list(range(decoder.capacity))[::-1]              # pop() takes the lowest row
+        self.cond, self.closed, self.skipped = threading.Condition(), False, 0
+        self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
         self.thread.start()
+
+    def submit(self, job):
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise ApiError(429, f"the server is busy: {len(self.waiting)} requests are waiting; try again "
+                                    "shortly", code="rate_limit_exceeded", kind="rate_limit_error",
+                               headers={"Retry-After": "1"})
+            self.waiting.append(job)
+            self.cond.notify()
 
     def loop(self):
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.gone.is_set():
-                self.skipped += 1
-                self.log(dict(event="skipped", path=job.path, note="the client left while it waited"))
-                continue
-            self.run(job)
+            with self.cond:
+                while not (self.closed or self.waiting or self.active):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                for job in [j for j in self.waiting if j.gone.is_set()]:
+                    self.waiting.remove(job)
+                    self.skipped += 1
+                    self.log(dict(event="skipped", path=job.path, note="the client left while it waited"))
+                starting = []
+                while self.waiting and self.waiting[0].n <= len(self.free):
+                    job = self.waiting.popleft()
+                    starting.append((job, [self.free.pop() for _ in range(job.n)]))
+            for job, rows in starting:
+                self.start(job, rows)
+            for ch in [ch for ch in self.active.values() if ch.job.gone.is_set()]:
+                self.end(ch.job, "left", note="the client left")
+            if self.active:
+                self.step()
 
-    def run(self, job):
-        t0 = time.perf_counter()
-        dec, scan, n, finish, hit, ids = self.tok.stream(), StopScan(job.stop), 0, "length", False, None
+    def start(self, job, rows):
+        job.t0 = time.perf_counter()
+        choices = [Choice(job, i, row, self.tok.stream(), StopScan(job.stop)) for i, row in enumerate(rows)]
+        for ch in choices:
+            self.active[ch.row] = ch
+        for i, (ch, row) in enumerate(zip(choices, rows)):
+            try:
+                t = self.decoder.start(row, job.prompt, job.sampling, (job.seed + i) % (1 << 64))
+            except Exception as e:                       # an engine failure ends this request, not the server
+                return self.fail(job, f"generation failed: {type(e).__name__}: {e}")
+            self.feed(ch, t)
+            if job.done is None:                         # failed
+                return
+
+    def step(self):
+        rows = sorted(self.active)
         try:
-            ids = self.generate(job.prompt, job.max_new, job.sampling, np.random.default_rng(job.seed))
-            for t in ids:
-                n += 1
-                if t == self.tok.eot:
-                    finish = "stop"
-                    break
-                text, hit = scan.feed(dec.text(t))
-                if text:
-                    job.out.put(("text", text))
-                if hit:
-                    finish = "stop"
-                    break
-                if job.gone.is_set():
-                    finish = "gone"
-                    break
-            if not hit and finish != "gone":             # the end: what was held back was no stop string
-                text, hit = scan.feed(dec.end())
-                text += "" if hit else scan.rest()
-                finish = "stop" if hit else finish
-                if text:
-                    job.out.put(("text", text))
-        except Exception as e:                           # an engine failure ends this request, not the server
-            self.log(dict(event="failed", path=job.path, prompt_tokens=len(job.prompt), completion_tokens=n,
-                          note=repr(e)))
-            job.out.put(("error", f"generation failed: {type(e).__name__}: {e}"))
+            ids = self.decoder.step(rows).tolist()
+        except Exception as e:
+            for job in {ch.job for ch in self.active.values()}:
+                self.fail(job, f"generation failed: {type(e).__name__}: {e}")
             return
-        finally:
-            getattr(ids, "close", lambda: None)()        # a generator stopped early is closed at once
-        dt = time.perf_counter() - t0
-        self.log(dict(event="left" if finish == "gone" else "done", path=job.path, prompt_tokens=len(job.prompt),
-                      completion_tokens=n, seconds=round(dt, 4), tokens_per_s=round(n / max(dt, 1e-9), 1),
-                      finish_reason=finish))                  # logged before the client can see its answer
-        job.out.put(("done", finish, n))
+        for row, t in zip(rows, ids):
+            ch = self.active.get(row)
+            if ch is not None:                           # (not a row of a job that failed in this step)
+                self.feed(ch, t)
+
+    def feed(self, ch, t):
+        """One id of a row: its text out, or its end."""
+        job = ch.job
+        if t < 0:
+            return self.fail(job, "generation failed: the model's logits are not finite (NaN or infinity)")
+        ch.n += 1
+        if t == self.tok.eot and not job.ignore_eos:
+            return self.finish(ch, "stop")
+        if t != self.tok.eot:
+            text, hit = ch.scan.feed(ch.dec.text(t))
+            if text:
+                job.put(("text", ch.index, text))
+            if hit:
+                return self.finish(ch, "stop", hit=True)
+        if ch.n >= job.max_new or len(job.prompt) + ch.n >= self.decoder.ctx:
+            self.finish(ch, "length")
+
+    def finish(self, ch, reason, hit=False):
+        job = ch.job
+        if not hit:                                      # the end: what was held back was no stop string
+            text, hit = ch.scan.feed(ch.dec.end())
+            text += "" if hit else ch.scan.rest()
+            reason = "stop" if hit else reason
+            if text:
+                job.put(("text", ch.index, text))
+        self.release(ch)
+        job.tokens += ch.n
+        job.done += 1
+        job.put(("done", ch.index, reason, ch.n))
+        if job.done == job.n:
+            dt = time.perf_counter() - job.t0            # logged before the client can see its answer's end
+            self.log(dict(event="done", path=job.path, prompt_tokens=len(job.prompt), completion_tokens=job.tokens,
+                          seconds=round(dt, 4), tokens_per_s=round(job.tokens / max(dt, 1e-9), 1),
+                          finish_reason=reason))
+
+    def release(self, ch):
+        del self.active[ch.row]
+        self.decoder.free(ch.row)
+        self.free.append(ch.row)
+
+    def end(self, job, event, note):
+        """Frees a job's rows at once."""
+        for ch in [ch for ch in self.active.values() if ch.job is job]:
+            job.tokens += ch.n
+            self.release(ch)
+        job.done = None
+        self.log(dict(event=event, path=job.path, prompt_tokens=len(job.prompt), completion_tokens=job.tokens,
+                      note=note))
+
+    def fail(self, job, message):
+        self.end(job, "failed", message)
+        job.put(("error", message))
 
     def close(self):
-        self.jobs.put(None)
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -328,11 +456,13 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- replies
 
-    def reply(self, status, body, content_type="application/json", close=False):
+    def reply(self, status, body, content_type="application/json", close=False, headers=None):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         if close:
             self.send_header("Connection", "close")      # (which also closes it on this side)
         self.end_headers()
@@ -340,15 +470,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def fail(self, e):
         self.server.log(dict(event="refused", path=getattr(self, "path", None), status=e.status, note=str(e)))
-        self.reply(e.status, e.body(), close=True)       # the body may be unread: this connection is done
+        self.reply(e.status, e.body(), close=True, headers=e.headers)    # the body may be unread: done
 
     def send_error(self, code, message=None, explain=None):    # the library's own errors, as JSON too
         self.fail(ApiError(code, message or HTTPStatus(code).phrase, code=None))
 
     # -- routes
 
+    def locked(self, path):
+        """An API request without the server's key: answered 401, as OpenAI answers a missing or wrong key."""
+        key = self.server.api_key
+        if not key or not path.startswith("/v1"):
+            return False
+        given = self.headers.get("Authorization") or ""
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return False
+        self.fail(ApiError(401, "Incorrect API key provided: give this server's key as `Authorization: Bearer KEY`"
+                           if given else "You didn't provide an API key: give this server's key as "
+                           "`Authorization: Bearer KEY`", code="invalid_api_key"))
+        return True
+
     def do_GET(self):
         path = self.path.split("?")[0]
+        if self.locked(path):
+            return
         r, started = self.server.requests, self.server.started
         model = {"id": r.name, "object": "model", "created": started, "owned_by": "nanoeuler",
                  "context_length": r.ctx, "chat": r.chat}
@@ -368,15 +513,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self.path.split("?")[0]
+        if self.locked(path):
+            return
         if path not in ("/v1/chat/completions", "/v1/completions"):
             return self.fail(ApiError(404, f"unknown URL: POST {path}", code="unknown_url"))
         chat = path == "/v1/chat/completions"
         try:
             body = self.body()
             job = self.server.requests.job(body, chat)
+            self.server.scheduler.submit(job)
         except ApiError as e:
             return self.fail(e)
-        self.server.worker.jobs.put(job)
         if body.get("stream"):
             self.stream(job, chat, bool((body.get("stream_options") or {}).get("include_usage")))
         else:
@@ -397,22 +544,20 @@ class Handler(BaseHTTPRequestHandler):
     # -- the answer, whole or streamed
 
     def events(self, job):
-        """The job's events until its last; returns early, setting job.gone, when the client has closed its
-        connection (the worker then skips the job, or stops it at its next token)."""
-        looked = time.monotonic()
+        """Lists of the job's events as they come, until its last; returns early, setting job.gone, when the
+        client has closed its connection (the scheduler then drops the job, queued or running)."""
+        looked, left = time.monotonic(), job.n
         while True:
-            try:
-                ev = job.out.get(timeout=POLL)
-            except queue.Empty:
-                ev = None
-            if ev is None or time.monotonic() - looked > POLL:
+            events = job.take(POLL)
+            if not events or time.monotonic() - looked > POLL:
                 looked = time.monotonic()
                 if client_gone(self.connection):
                     job.gone.set()
                     return
-            if ev is not None:
-                yield ev
-                if ev[0] != "text":
+            if events:
+                yield events
+                left -= sum(ev[0] == "done" for ev in events)
+                if left == 0 or events[-1][0] == "error":
                     return
 
     def head(self, chat):
@@ -426,66 +571,81 @@ class Handler(BaseHTTPRequestHandler):
 
     def answer(self, job, chat):
         head = self.head(chat)
-        parts, last = [], None
-        for ev in self.events(job):
-            if ev[0] == "text":
-                parts.append(ev[1])
-            else:
-                last = ev
-        if last is None:                                 # the client has gone: nobody to answer
+        texts, finish, error = [[] for _ in range(job.n)], {}, None
+        for events in self.events(job):
+            for ev in events:
+                if ev[0] == "text":
+                    texts[ev[1]].append(ev[2])
+                elif ev[0] == "done":
+                    finish[ev[1]] = ev[2:]
+                else:
+                    error = ev[1]
+        if error is not None:
+            return self.fail(ApiError(500, error, kind="server_error"))
+        if len(finish) < job.n:                          # the client has gone: nobody to answer
             self.close_connection = True
             return
-        if last[0] == "error":
-            return self.fail(ApiError(500, last[1], kind="server_error"))
-        text = "".join(parts)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=last[1])
-        self.reply(200, dict(head, object="chat.completion" if chat else "text_completion", choices=[choice],
-                             usage=self.usage(job, last[2])))
+        choices = []
+        for i, parts in enumerate(texts):
+            text = "".join(parts)
+            choices.append(dict({"index": i, "message": {"role": "assistant", "content": text}} if chat
+                                else {"index": i, "text": text}, logprobs=None, finish_reason=finish[i][0]))
+        self.reply(200, dict(head, object="chat.completion" if chat else "text_completion", choices=choices,
+                             usage=self.usage(job, sum(f[1] for f in finish.values()))))
 
     def stream(self, job, chat, include_usage):
+        """Server-sent events: each wake-up of this thread writes, in one piece, a chunk per choice with all
+        the text that choice made since the last (several tokens' when the server is busy)."""
         head = self.head(chat)
         head["object"] = "chat.completion.chunk" if chat else "text_completion"
-        chunk = lambda text, finish=None: dict(head, choices=[dict(
-            {"delta": {} if text is None else {"content": text}} if chat else {"text": text or "", "logprobs": None},
-            index=0, finish_reason=finish)])
+        chunk = lambda i, delta, finish=None: dict(head, choices=[dict(
+            {"delta": delta} if chat else {"text": delta.get("content", ""), "logprobs": None},
+            index=i, finish_reason=finish)])
         self.close_connection = True                     # the stream ends when the connection does
+        started, done, tokens = False, 0, 0
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            if chat:
-                first = chunk("")
-                first["choices"][0]["delta"]["role"] = "assistant"
-                self.event(first)
-            for ev in self.events(job):
-                if ev[0] == "text":
-                    self.event(chunk(ev[1]))
-                elif ev[0] == "done":
-                    self.event(chunk(None, ev[1]))
-                    if include_usage:
-                        self.event(dict(head, choices=[], usage=self.usage(job, ev[2])))
-                    self.wfile.write(b"data: [DONE]\n\n")
-                else:
-                    self.event(ApiError(500, ev[1], kind="server_error").body())
+            for events in self.events(job):
+                if not started and events[0][0] == "error":  # failed before its first id: a plain 500
+                    return self.fail(ApiError(500, events[0][1], kind="server_error"))
+                out = []
+                if not started:
+                    started = True
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    if chat:
+                        out += [chunk(i, {"role": "assistant", "content": ""}) for i in range(job.n)]
+                texts = {}                               # choice -> its text since the last event of another kind
+                for ev in events + [("end",)]:
+                    if ev[0] == "text":
+                        texts[ev[1]] = texts.get(ev[1], "") + ev[2]
+                        continue
+                    out += [chunk(i, {"content": t}) for i, t in texts.items()]
+                    texts = {}
+                    if ev[0] == "done":
+                        out.append(chunk(ev[1], {}, ev[2]))
+                        done, tokens = done + 1, tokens + ev[3]
+                        if done == job.n and include_usage:
+                            out.append(dict(head, choices=[], usage=self.usage(job, tokens)))
+                    elif ev[0] == "error":
+                        out.append(ApiError(500, ev[1], kind="server_error").body())
+                data = b"".join(b"data: " + json.dumps(obj).encode() + b"\n\n" for obj in out)
+                self.wfile.write(data + (b"data: [DONE]\n\n" if done == job.n else b""))
         except OSError:                                  # the client has gone: stop generating for it
             job.gone.set()
-
-    def event(self, obj):
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128                         # connections waiting to be accepted (a burst of clients)
 
-    def __init__(self, address, requests, generate, page, log_path=None, quiet=False):
-        self.requests, self.page, self.quiet, self.log_path = requests, page, quiet, log_path
+    def __init__(self, address, requests, decoder, page, log_path=None, quiet=False, api_key=None, max_queue=None):
+        self.requests, self.page, self.quiet, self.log_path, self.api_key = requests, page, quiet, log_path, api_key
         self.started, self.ids, self.log_lock = int(time.time()), itertools.count(1), threading.Lock()
         super().__init__(address, Handler)
-        self.worker = Worker(requests.tok, generate, self.log)
+        self.scheduler = Scheduler(requests.tok, decoder, self.log, max_queue or MAX_QUEUE)
 
     def handle_error(self, request, client_address):
         """A connection that failed (reset, timed out, closed under a reply) costs one line; a bug a traceback."""
@@ -507,8 +667,8 @@ class Server(ThreadingHTTPServer):
 
     def server_close(self):
         super().server_close()
-        if hasattr(self, "worker"):                      # not when the address could not be bound
-            self.worker.close()
+        if hasattr(self, "scheduler"):                   # not when the address could not be bound
+            self.scheduler.close()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -519,28 +679,41 @@ DESCRIPTION = ("serve a checkpoint over an OpenAI-compatible API (/v1/chat/compl
                "without a seed draw theirs from a generator seeded by --seed")
 
 
-def add_serve_flags(p, ckpt, speculative_help=None):
-    """The serve mode's flags (both engines): the sampling flags of sample and chat (--speculative by default
-    as pl.speculative_for decides per request), then where to listen."""
-    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, speculative_help=speculative_help,
+def add_serve_flags(p, ckpt, max_batch_help):
+    """The serve mode's flags (both engines): the sampling flags of sample and chat (no --speculative: the
+    batch does not speculate), the batch and the queue, then where to listen and the key."""
+    pl.add_sample_flags(p, ckpt=ckpt, temperature=0.7, speculative=False,
                         tokens_help="max_tokens of a request that gives none (default 200; at most the context - 1)",
                         seed_help="seeds the generator of the seeds of requests that give none (default 0)")
+    p.add_argument("--max-batch", dest="max_batch", type=int,
+                   help=f"requests decoded at once, each a row of one batch, the rest queued ({max_batch_help}); "
+                        "speculative decoding is not used")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait for a row; one more is answered 429 (default {MAX_QUEUE})")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
-                        "anyone who can reach the machine)")
+                        "anyone who can reach the machine: give --api-key)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed)")
+    p.add_argument("--api-key", dest="api_key", default=os.environ.get(KEY_ENV) or None,
+                   help=f"API requests must send `Authorization: Bearer KEY` (default ${KEY_ENV}, else none: open "
+                        "to whoever reaches the port)")
     p.add_argument("--name", help="the model's name in the API (default nanoeuler-CONFIG-KIND)")
     p.add_argument("--log", help="append one JSON line per request to this file (default: none)")
 
 
-def make_server(a, tok, cfg, chat, generate, quiet=False):
-    """A Server on a.host:a.port, its worker started; serve_forever() serves. Bad flags raise UserError."""
+def make_server(a, tok, cfg, chat, decoder_factory, quiet=False):
+    """A Server on a.host:a.port, its scheduler started over decoder_factory(a.max_batch) (None: the
+    engine's default); serve_forever() serves. Bad flags raise UserError."""
     pl.check_sampling(a)
     if not 0 <= a.port <= 65535:
         raise pl.UserError(f"--port {a.port}: give a port in 0..65535 (0: any free one)")
+    for flag, v in (("--max-batch", a.max_batch), ("--max-queue", a.max_queue)):
+        if v is not None and v < 1:
+            raise pl.UserError(f"{flag} {v}: give a whole number of requests, at least 1")
+    if a.api_key is not None and not (a.api_key.isprintable() and a.api_key.strip() == a.api_key != ""):
+        raise pl.UserError("--api-key: give a non-empty key of printable characters, without spaces at its ends")
     name = a.name or f"nanoeuler-{pl.config_name(cfg)}-{'chat' if chat else 'base'}"
     defaults = dict(asdict(pl.sampling_of(a)), max_tokens=a.tokens)
-    requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed)
     if a.log:
         pl.writable(a.log, "--log", force=True)       # appended to: one already there is fine
         try:
@@ -549,22 +722,36 @@ def make_server(a, tok, cfg, chat, generate, quiet=False):
             raise pl.UserError(f"--log {a.log}: cannot write it ({e.strerror})") from None
     with open(PAGE, "rb") as f:
         page = f.read()
+    decoder = decoder_factory(a.max_batch)
+    requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed, decoder.capacity)
     try:
-        return Server((a.host, a.port), requests, generate, page, a.log, quiet)
+        return Server((a.host, a.port), requests, decoder, page, a.log, quiet, a.api_key, a.max_queue)
     except OSError as e:
         why = "in use: give another with --port" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
         raise pl.UserError(f"cannot listen on {a.host}:{a.port} ({why})") from None
 
 
-def run(a, tok, cfg, chat, generate, engine):
-    """The serve mode: serves until Ctrl-C."""
-    server = make_server(a, tok, cfg, chat, generate)
+def loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(a, tok, cfg, chat, decoder_factory, engine):
+    """The serve mode: serves until Ctrl-C. decoder_factory(max_batch) -> the engine's Decoder (module
+    docstring) with max_batch rows (None: the engine's default)."""
+    server = make_server(a, tok, cfg, chat, decoder_factory)
     host, port = server.server_address[:2]
     r = server.requests
     print(f"serving {r.name} ({'chat: the SFT template' if chat else 'base: plain text'}, context {cfg.ctx}) on the "
-          f"{engine} engine at http://{host}:{port}/ (the chat page; the API under /v1)"
+          f"{engine} engine, {r.capacity} requests at once, at http://{host}:{port}/ (the chat page; the API "
+          f"under /v1{', locked by --api-key' if a.api_key else ''})"
           f"{'; every interface: anyone who can reach this machine can use it' if host == '0.0.0.0' else ''}"
           "; Ctrl-C stops", flush=True)
+    if not a.api_key and not loopback(host):
+        print(f"warning: {host} is reachable from other machines and the API has no key: anyone who reaches "
+              f"port {port} can use it (give --api-key or ${KEY_ENV})", file=sys.stderr, flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

@@ -53,16 +53,17 @@ def model(tmp_path_factory):
 def serve_args(*flags):
     """The CPU engine's serve flags, parsed."""
     p = pl.Parser(prog="nanoeuler.py serve")
-    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), speculative_help=ne.SPECULATIVE_HELP)
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help="default 8")
     return p.parse_args([str(f) for f in flags])
 
 
-def start(model, kind="chat", generate=None, *flags):
-    """An in-process server on a free port, built from the serve mode's own flags; -> its port."""
+def start(model, kind="chat", decoder=None, *flags):
+    """An in-process server on a free port, built from the serve mode's own flags, over the CPU engine's
+    decoder (4 rows unless --max-batch says) or decoder(rows); -> the server."""
     P, tok, d = model
     a = serve_args("--ckpt", d / f"{kind}.npz", "--port", 0, *flags)
-    generate = generate or (lambda ids, n, sampling, rng: ne.generate(P, ids, n, rng=rng, sampling=sampling))
-    server = serve.make_server(a, tok, P.cfg, kind == "chat", generate, quiet=True)
+    factory = lambda rows: (decoder or (lambda rows: ne.Decoder(P, rows)))(rows or 4)
+    server = serve.make_server(a, tok, P.cfg, kind == "chat", factory, quiet=True)
     threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
     return server
 
@@ -272,28 +273,36 @@ def _wait(cond, timeout=5.0):
         time.sleep(0.01)
 
 
-def slow_engine(model, calls, delay):
-    """The CPU engine, delay[0] seconds a token, recording each call: its prompt, ids drawn, closed early."""
-    P = model[0]
+class Recorded:
+    """The CPU engine's decoder, delay[0] seconds a step, recording each start in calls: its prompt, ids
+    drawn, freed before its max_tokens."""
 
-    def generate(ids, n, sampling, rng):
-        rec = dict(prompt=list(ids), drawn=0, closed=False)
-        calls.append(rec)
-        try:
-            for t in ne.generate(P, ids, n, rng=rng, sampling=sampling):
-                time.sleep(delay[0])
-                rec["drawn"] += 1
-                yield t
-        except GeneratorExit:
-            rec["closed"] = True
-            raise
-    return generate
+    def __init__(self, model, rows, calls, delay):
+        self.inner, self.calls, self.delay, self.rec = ne.Decoder(model[0], rows), calls, delay, {}
+        self.capacity, self.ctx = self.inner.capacity, self.inner.ctx
+
+    def start(self, row, ids, sampling, seed):
+        self.rec[row] = dict(prompt=list(ids), drawn=1, closed=False)
+        self.calls.append(self.rec[row])
+        return self.inner.start(row, ids, sampling, seed)
+
+    def step(self, rows):
+        time.sleep(self.delay[0])
+        for r in rows:
+            self.rec[r]["drawn"] += 1
+        return self.inner.step(rows)
+
+    def free(self, row):
+        self.rec[row]["closed"] = True
+        self.inner.free(row)
 
 
 def test_a_client_that_leaves_frees_its_place(model, tmp_path):
+    """One row (--max-batch 1): a streams; b and c wait. b leaves while queued (never started); a leaves
+    mid-stream (its row freed at the next step): c, queued, starts at once and finishes."""
     calls, log = [], tmp_path / "log.jsonl"
-    server = start(model, "chat", slow_engine(model, calls, [0.01]), "--log", log)
-    port = server.server_address[1]
+    server = start(model, "chat", lambda rows: Recorded(model, rows, calls, [0.01]), "--log", log, "--max-batch", 1)
+    port, waiting = server.server_address[1], server.scheduler.waiting
     try:
         msgs = lambda text: [{"role": "user", "content": text}]
         tok = model[1]
@@ -303,18 +312,20 @@ def test_a_client_that_leaves_frees_its_place(model, tmp_path):
         while got.count(b"data: ") < 4:                  # the role chunk and three tokens' text
             got += a.recv(4096)
         b = _raw(port, dict(messages=msgs("second"), max_tokens=300))      # waits in the queue behind a
-        _wait(lambda: server.worker.jobs.qsize() == 1)
-        b.close()                                        # leaves while queued: never generated
-        _wait(lambda: server.worker.jobs.queue[0].gone.is_set())          # its connection's thread noticed
-        a.close()                                        # leaves mid-stream: stopped at its next token
-        _wait(lambda: calls[0]["closed"])
+        _wait(lambda: len(waiting) == 1)
+        b.close()                                        # leaves while queued: dropped, never started
+        _wait(lambda: len(waiting) == 0)
         c = client(server)
-        r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=msgs("third"), max_tokens=5)
-        assert r.usage.completion_tokens == 5
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            third = pool.submit(c.chat.completions.create, model="nanoeuler-custom-chat", messages=msgs("third"),
+                                max_tokens=5)
+            _wait(lambda: len(waiting) == 1)             # c waits for a's row
+            a.close()                                    # leaves mid-stream: its row goes to c
+            assert third.result(timeout=10).usage.completion_tokens == 5
         assert [call["prompt"] for call in calls] == [sft_ids(tok, [], "first"), sft_ids(tok, [], "third")]
-        assert calls[0]["drawn"] < 100 and server.worker.skipped == 1
+        assert calls[0]["closed"] and calls[0]["drawn"] < 100 and server.scheduler.skipped == 1
         events = [json.loads(l)["event"] for l in log.read_text().splitlines()]
-        assert events == ["left", "skipped", "done"]
+        assert events == ["skipped", "left", "done"]
     finally:
         server.shutdown()
         server.server_close()
@@ -354,7 +365,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("POST", "/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", None),
     ("POST", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop", None),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
-    ("POST", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("POST", "/v1/completions", {"prompt": "x", "n": 5}, 400, "n", None),          # more than the 4 rows
+    ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", None),
+    ("POST", "/v1/completions", {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos", None),
     ("POST", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
     ("POST", "/v1/chat/completions", dict(CHAT, model="gpt-4"), 404, "model", "model_not_found"),
     ("GET", "/v1/models/gpt-4", None, 404, "model", "model_not_found"),
@@ -400,12 +413,21 @@ def scripted(model):
     the reply again, never more than asked for."""
     tok = model[1]
 
-    def generate(ids, n, sampling, rng):
-        text, end = next(v for k, v in SCRIPT.items() if k in tok.decode(ids))
-        reply = tok.encode(text)
-        yield from itertools.islice(reply + [tok.eot] if end else itertools.cycle(reply), n)
+    class Scripted:
+        capacity, ctx, streams = 4, CFG.ctx, {}
 
-    server = start(model, "chat", generate)
+        def start(self, row, ids, sampling, seed):
+            text, end = next(v for k, v in SCRIPT.items() if k in tok.decode(ids))
+            self.streams[row] = itertools.cycle(tok.encode(text) + ([tok.eot] if end else []))
+            return next(self.streams[row])
+
+        def step(self, rows):
+            return np.array([next(self.streams[r]) for r in rows])
+
+        def free(self, row):
+            del self.streams[row]
+
+    server = start(model, "chat", lambda rows: Scripted())
     yield server
     server.shutdown()
     server.server_close()
@@ -628,17 +650,6 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
     assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err
 
 
-def test_serve_speculates_per_request_as_sample_does(monkeypatch):
-    """serve's default: each request's sampling decides (greedy on tiny: on; sampling: off); the flags force it."""
-    P, seen = pl.Params.init(pl.CONFIGS["tiny"]), []
-    monkeypatch.setattr(ne, "generate", lambda *args, speculative, **kw: seen.append(speculative))
-    for flags in ([], ["--no-speculative"], ["--speculative"]):
-        gen = ne.serve_generate(P, serve_args(*flags))
-        gen([1], 3, pl.Sampling(0), None)
-        gen([1], 3, pl.Sampling(0.7), None)
-    assert seen == [True, False, False, False, True, True]
-
-
 # ----------------------------------------------------------------------------------------------------
 # the GPU engine behind the same server (skips without a GPU)
 
@@ -680,7 +691,7 @@ def browser():
 
 def test_page_streams_a_conversation_stops_and_starts_over(model, browser):
     calls, delay = [], [0.005]
-    server = start(model, "chat", slow_engine(model, calls, delay))
+    server = start(model, "chat", lambda rows: Recorded(model, rows, calls, delay))
     page = browser.new_page(viewport={"width": 900, "height": 640})
     page.set_default_timeout(10_000)
     try:
