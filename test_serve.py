@@ -307,6 +307,7 @@ def test_a_client_that_leaves_frees_its_place(model, tmp_path):
         msgs = lambda text: [{"role": "user", "content": text}]
         tok = model[1]
         assert engine_text(model, sft_ids(tok, [], "first"), 300)[1] > 250     # greedy: no early <|endoftext|>
+        c = client(server)
         a = _raw(port, dict(messages=msgs("first"), max_tokens=300, stream=True, temperature=0))
         got = b""
         while got.count(b"data: ") < 4:                  # the role chunk and three tokens' text
@@ -315,20 +316,219 @@ def test_a_client_that_leaves_frees_its_place(model, tmp_path):
         _wait(lambda: len(waiting) == 1)
         b.close()                                        # leaves while queued: dropped, never started
         _wait(lambda: len(waiting) == 0)
-        c = client(server)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             third = pool.submit(c.chat.completions.create, model="nanoeuler-custom-chat", messages=msgs("third"),
                                 max_tokens=5)
             _wait(lambda: len(waiting) == 1)             # c waits for a's row
             a.close()                                    # leaves mid-stream: its row goes to c
+            drawn = calls[0]["drawn"]
             assert third.result(timeout=10).usage.completion_tokens == 5
         assert [call["prompt"] for call in calls] == [sft_ids(tok, [], "first"), sft_ids(tok, [], "third")]
-        assert calls[0]["closed"] and calls[0]["drawn"] < 100 and server.scheduler.skipped == 1
+        assert calls[0]["closed"] and calls[0]["drawn"] < min(drawn + 50, 300) and server.scheduler.skipped == 1
         events = [json.loads(l)["event"] for l in log.read_text().splitlines()]
         assert events == ["skipped", "left", "done"]
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# continuous batching: the same text as alone, n choices, a full queue, a key, a row gone wrong
+
+
+def _decode(dec, requests):
+    """requests [(prompt, sampling, seed, tokens, arrival step)] through one decoder as serve runs them:
+    queued in arrival order, started in a free row (the lowest) when one is, freed after their tokens."""
+    out, waiting, active, step = {}, [], {}, 0
+    while len(out) < len(requests) or active:
+        waiting += [i for i, r in enumerate(requests) if r[4] == step]
+        free = [r for r in range(dec.capacity) if r not in active]
+        while waiting and free:
+            i, row = waiting.pop(0), free.pop(0)
+            prompt, sampling, seed = requests[i][:3]
+            out[i], active[row] = [dec.start(row, prompt, sampling, seed)], i
+        if active:
+            rows = sorted(active)
+            for row, t in zip(rows, dec.step(rows).tolist()):
+                out[active[row]].append(t)
+            for row in [r for r in rows if len(out[active[r]]) >= requests[active[r]][3]]:
+                dec.free(row)
+                del active[row]
+        step += 1
+    return [out[i][:r[3]] for i, r in enumerate(requests)]
+
+
+def test_decoder_rows_are_the_same_alone_or_interleaved(model):
+    """Authority: issue 33, "the same text as alone": a request's ids with a given seed are identical alone
+    and among others that arrive and leave at other times. Eight requests, greedy and sampled (top-k, top-p,
+    a repetition penalty), through 3 rows: they queue, start at other steps, leave mid-way, reuse freed rows.
+    A row alone is generate's plain decoding with the same seed (both draw one uniform a sampled token, none
+    when greedy), and the Decoder's step is four-row passes whatever the batch: ids to the id."""
+    P = pl.Params.init(CFG, 5)
+    P.flat *= 4                                          # peaked distributions: a rounding slip would show
+    rules = [pl.Sampling(0), pl.Sampling(1.0, 0), pl.Sampling(0.8, 40, 0.9), pl.Sampling(0, repetition_penalty=1.3),
+             pl.Sampling(1.2, 20, repetition_penalty=1.2)]
+    requests = [([5 + i, 7, 11 * i % 50], rules[i % 5], 100 + i, 6 + 3 * i, (0, 0, 1, 2, 2, 4, 7, 7)[i])
+                for i in range(8)]
+    alone = [_decode(ne.Decoder(P, 1), [r[:4] + (0,)])[0] for r in requests]
+    assert _decode(ne.Decoder(P, 3), requests) == alone
+    assert _decode(ne.Decoder(P, 8), [r[:4] + (0,) for r in requests]) == alone      # all eight in one step
+    for (prompt, sampling, seed, n, _), ids in zip(requests, alone):
+        assert list(ne.generate(P, prompt, n, rng=np.random.default_rng(seed), sampling=sampling)) == ids
+    assert len({tuple(a) for a in alone}) == 8
+
+
+def test_a_row_whose_logits_go_nan_fails_alone(model):
+    """Authority: issue 33, "a NaN in one row's logits fails that request alone with a 500 and an error body,
+    and the others finish"; the body in OpenAI's error shape (API reference, Error codes: 500, type
+    server_error). The engine: a row whose cache holds NaN answers -1, its neighbours their ids as alone.
+    The server: a request whose row answers -1 gets a 500 (streamed: an error event, no [DONE]), while the
+    requests beside it get the text they get alone."""
+    P, tok = model[0], model[1]
+    dec = ne.Decoder(P, 3)
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    firsts = [dec.start(r, p, GREEDY, 0) for r, p in enumerate(prompts)]
+    dec.cache.v[1, 1] = np.nan                           # row 1's values in layer 1
+    got = [firsts] + [dec.step([0, 1, 2]).tolist() for _ in range(3)]
+    assert [g[1] for g in got[1:]] == [-1, -1, -1]
+    for r in (0, 2):
+        assert [g[r] for g in got] == list(ne.generate(P, prompts[r], 4, sampling=GREEDY))
+
+    class Poisoned(ne.Decoder):                          # the row of a prompt holding "poison": -1 at its 3rd id
+        def start(self, row, ids, sampling, seed):
+            self.poisoned = getattr(self, "poisoned", {})
+            self.poisoned[row] = "poison" in tok.decode(ids) and 2
+            return super().start(row, ids, sampling, seed)
+
+        def step(self, rows):
+            ids = super().step(rows)
+            for j, r in enumerate(rows):
+                if self.poisoned[r] is not False:
+                    self.poisoned[r] -= 1
+                    ids[j] = -1 if self.poisoned[r] < 0 else ids[j]
+            return ids
+
+    server = start(model, "chat", lambda rows: Poisoned(P, rows))
+    try:
+        body = lambda text, **kw: dict(messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, **kw)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            runs = [pool.submit(post, server, "/v1/chat/completions", body(t, stream=s))
+                    for t, s in (("poison", False), ("fine", False), ("poison", True), ("also fine", True))]
+            (s1, r1, raw1), (s2, _, raw2), (s3, _, raw3), (s4, _, raw4) = [f.result(timeout=30) for f in runs]
+        err = json.loads(raw1)["error"]
+        assert s1 == 500 and r1.getheader("Content-Type") == "application/json"
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error" and "finite" in err["message"]
+        assert s3 == 200 and b'"server_error"' in raw3 and b"[DONE]" not in raw3
+        want = lambda text: engine_text(model, sft_ids(tok, [], text), 12)[0]
+        assert s2 == 200 and json.loads(raw2)["choices"][0]["message"]["content"] == want("fine")
+        assert s4 == 200 and "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_chunks(raw4)) == \
+            want("also fine")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_n_choices_are_rows_with_seeds_seed_plus_i(chat_server):
+    """Authority: OpenAI's API reference, `n`: how many choices to generate for the input, each a choice with
+    its index; usage counts every choice's tokens (the prompt once); streamed, each chunk's choice carries its
+    index. Here choice i is the request with seed + i (serve.py's rule)."""
+    c = client(chat_server)
+    kw = dict(model="nanoeuler-custom-chat", prompt="It was", max_tokens=8, temperature=1.0)
+    r = c.completions.create(n=3, seed=5, **kw)
+    singles = [c.completions.create(seed=5 + i, **kw) for i in range(3)]
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [s.choices[0].text for s in singles] and len({ch.text for ch in r.choices}) == 3
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chunks = list(c.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=8, temperature=1.0, seed=9,
+                                            n=2, stream=True, stream_options={"include_usage": True}))
+    alone = [c.chat.completions.create(model=kw["model"], messages=msgs, max_tokens=8, temperature=1.0, seed=9 + i)
+             for i in range(2)]
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == alone[i].choices[0].finish_reason
+        assert "".join(m.delta.content or "" for m in mine) == alone[i].choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_full_queue_answers_429_with_retry_after(model):
+    """Authority: OpenAI's error codes guide, 429 "Rate limit reached for requests": pace your requests and
+    retry (the openai package raises RateLimitError); RFC 9110 10.2.3: Retry-After gives the seconds to wait.
+    One row, one place in the queue: the third request is refused at once, not left hanging."""
+    openai = pytest.importorskip("openai")
+    calls = []
+    server = start(model, "chat", lambda rows: Recorded(model, rows, calls, [0.05]), "--max-batch", 1, "--max-queue", 1)
+    port = server.server_address[1]
+    try:
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=50, stream=True)
+        a = _raw(port, body)
+        _wait(lambda: len(calls) == 1)                   # a runs
+        b = _raw(port, body)
+        _wait(lambda: len(server.scheduler.waiting) == 1)   # b waits
+        status, r, raw = post(server, "/v1/chat/completions", body)
+        err = json.loads(raw)["error"]
+        assert status == 429 and r.getheader("Retry-After") == "1" and r.getheader("Content-Type") == "application/json"
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            client(server).chat.completions.create(model="nanoeuler-custom-chat", **body)
+        a.close()
+        b.close()
+        _wait(lambda: not server.scheduler.active and not server.scheduler.waiting)
+        assert post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200    # room again
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
+    """Authority: OpenAI's API reference, Authentication: `Authorization: Bearer KEY` on every request; its
+    error codes guide: 401 "Invalid Authentication" / "Incorrect API key provided", in the error object
+    (the openai package raises AuthenticationError); vLLM's and llama.cpp's servers lock the same way
+    (--api-key). NANOEULER_API_KEY is the flag's default. The page itself is public (it asks for the key)."""
+    openai = pytest.importorskip("openai")
+    monkeypatch.setenv("NANOEULER_API_KEY", "s3cret")
+    assert serve_args().api_key == "s3cret"
+    monkeypatch.delenv("NANOEULER_API_KEY")
+    assert serve_args().api_key is None
+    server = start(model, "chat", None, "--api-key", "s3cret")
+    port = server.server_address[1]
+    try:
+        for method, path, headers in (("GET", "/v1/models", {}), ("POST", "/v1/completions", {}),
+                                      ("POST", "/v1/completions", {"Authorization": "Bearer wrong"}),
+                                      ("POST", "/v1/chat/completions", {"Authorization": "s3cret"})):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request(method, path, json.dumps({"prompt": "x"}), headers)
+            r = conn.getresponse()
+            err = json.loads(r.read())["error"]
+            assert r.status == 401 and r.getheader("Content-Type") == "application/json"
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/")
+        assert conn.getresponse().status == 200
+        c = client(server)                               # api_key "none"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+        c = c.with_options(api_key="s3cret")
+        assert c.completions.create(model="nanoeuler-custom-chat", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert serve.loopback("127.0.0.1") and serve.loopback("::1") and serve.loopback("localhost")
+    assert not serve.loopback("0.0.0.0") and not serve.loopback("192.168.1.4") and not serve.loopback("example.org")
+
+
+def test_ignore_eos_runs_to_max_tokens(scripted, model):
+    """Authority: vLLM's SamplingParams.ignore_eos: "whether to ignore the EOS token and continue generating
+    tokens after the EOS token is generated" (load tests use it so every answer has max_tokens tokens)."""
+    tok = model[1]
+    reply = tok.encode(SCRIPT["Say hello."][0]) + [tok.eot]
+    ids = (reply * 3)[:40]
+    status, _, raw = post(scripted, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello."}],
+                                                              "max_tokens": 40, "ignore_eos": True})
+    got = json.loads(raw)
+    assert status == 200 and got["usage"]["completion_tokens"] == 40 and got["choices"][0]["finish_reason"] == "length"
+    assert got["choices"][0]["message"]["content"] == tok.decode([t for t in ids if t != tok.eot])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -740,6 +940,31 @@ def test_page_streams_a_conversation_stops_and_starts_over(model, browser):
         assert page.locator(".msg").count() == 0
         body, _ = ask("Hello again.")
         assert body["messages"] == [{"role": "user", "content": "Hello again."}]
+    finally:
+        page.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_page_asks_for_the_api_key_once(model, browser):
+    """A server locked by --api-key: the page asks for the key at its first 401 (a prompt), sends it as
+    `Authorization: Bearer KEY` from then on, and does not ask again."""
+    server = start(model, "chat", None, "--api-key", "s3cret")
+    page = browser.new_page()
+    page.set_default_timeout(10_000)
+    asked = []
+    page.on("dialog", lambda d: (asked.append(d.message), d.accept("s3cret")))
+    try:
+        page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+        page.wait_for_function("document.querySelector('#model').textContent.includes('nanoeuler-custom-chat')")
+        for text in ("Name a colour.", "Name a fruit."):
+            with page.expect_request("**/v1/chat/completions") as req:
+                page.fill("#input", text)
+                page.keyboard.press("Enter")
+            page.wait_for_function("!document.body.dataset.busy")
+            assert req.value.headers["authorization"] == "Bearer s3cret"
+        assert len(asked) == 1 and "API key" in asked[0] and not page.text_content("#error")
+        assert page.locator(".msg.assistant").count() == 2
     finally:
         page.close()
         server.shutdown()
