@@ -1,0 +1,157 @@
+"""
+bench/serve_load.py -- the serve mode under load: N clients at once, through real HTTP (issue 33).
+
+    python3 bench/serve_load.py --engine cpu --ckpt out_chat --clients 1 8 --tokens 100
+    python3 bench/serve_load.py --engine gpu --ckpt out_chat --clients 1 8 32 64 --tokens 100
+
+Starts `nanoeuler.py serve` (cpu) or `nanoeuler_cuda.py serve` (gpu) on a free port, then for each level
+N sends N streamed chat completions at once from N threads (the standard library's http.client), each a
+different prompt of about 70 tokens, temperature 0.8, max_tokens --tokens and ignore_eos (vLLM's flag,
+which serve honours: <|endoftext|> does not end an answer, so every answer runs its --tokens tokens), and
+--rounds such waves a level. Prints per level: aggregate tokens/s (every answer's tokens, from the usage
+chunk, over the wave's wall time), time to first token (the first chunk with text) and latency (until
+[DONE]), p50 and p95 over the level's requests. The clients run on the server's machine and take some
+of its CPU: on a 2-core machine that lowers the CPU figures a little.
+"""
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py"}
+TOPICS = ["the sea", "a city at night", "an old clock", "a long journey", "the first snow", "a small garden",
+          "a lost letter", "the mountains", "a quiet library", "a summer storm", "a busy market", "the moon"]
+
+
+def prompt(i):
+    """About 70 tokens of plain English, a different one per client."""
+    return (f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i}). It should have a beginning, a "
+            "middle and an end, a main character with a name, one surprising event, and a closing line that "
+            "makes the reader smile. Use simple words, short sentences and no more than two paragraphs.")
+
+
+def one(port, i, tokens, out):
+    """One streamed chat completion -> out[i] = (time to first token, latency, completion tokens)."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt(i)}], "max_tokens": tokens, "temperature": 0.8,
+                       "seed": i, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        out[i] = RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+        return
+    first, n, usage = None, 0, None
+    for line in r:
+        if not line.startswith(b"data: "):
+            continue
+        if line.startswith(b"data: [DONE]"):
+            break
+        ev = json.loads(line[6:])
+        if ev.get("usage"):
+            usage = ev["usage"]
+        if first is None and any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
+            first = time.perf_counter() - t0
+    conn.close()
+    out[i] = (first, time.perf_counter() - t0, usage["completion_tokens"] if usage else 0, usage)
+
+
+def wave(port, n, tokens):
+    """n requests at once -> ([(ttft, latency, tokens, usage)], wall seconds)."""
+    out, go = [None] * n, threading.Barrier(n + 1)
+
+    def client(i):
+        go.wait()
+        try:
+            one(port, i, tokens, out)
+        except Exception as e:                       # reported below, with the others' figures
+            out[i] = e
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errors = [o for o in out if isinstance(o, Exception) or o is None]
+    if errors:
+        raise SystemExit(f"error: {len(errors)} of {n} requests failed: {errors[0]}")
+    return out, wall
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def start_server(a):
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[a.engine]), "serve", "--ckpt", a.ckpt, "--port", "0",
+           "--temperature", "0.8", "--max-queue", str(max(a.clients) + 1)]
+    if a.max_batch:
+        cmd += ["--max-batch", str(a.max_batch)]
+    p = subprocess.Popen(cmd + a.serve_args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = p.stdout.readline()
+    m = re.search(r"at http://[\d.]+:(\d+)/", line)
+    if not m:
+        p.kill()
+        raise SystemExit(f"error: the server did not start ({' '.join(cmd)}): {line.strip() or 'no output'}")
+    return p, int(m.group(1)), line.strip()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    ap.add_argument("--engine", choices=SCRIPTS, default="cpu")
+    ap.add_argument("--ckpt", required=True, help="the checkpoint (file or run folder) to serve")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="levels: requests at once (default 1 8)")
+    ap.add_argument("--tokens", type=int, default=100, help="max_tokens of each request (default 100)")
+    ap.add_argument("--rounds", type=int, default=2, help="waves per level (default 2)")
+    ap.add_argument("--max-batch", dest="max_batch", type=int, help="the server's --max-batch (default: its own)")
+    ap.add_argument("serve_args", nargs="*", help="more serve flags, after --")
+    a = ap.parse_args()
+    if min(a.clients) < 1 or a.tokens < 1 or a.rounds < 1:
+        raise SystemExit("error: --clients, --tokens and --rounds must be at least 1")
+    p, port, banner = start_server(a)
+    try:
+        print(banner, flush=True)
+        wave(port, 1, 8)                             # warm-up: compiles, graphs, first touches
+        rows = []
+        for n in a.clients:
+            res, walls = [], []
+            for _ in range(a.rounds):
+                out, wall = wave(port, n, a.tokens)
+                res += out
+                walls.append(wall)
+            tokens = sum(r[2] for r in res)
+            ttft, lat = [r[0] for r in res], [r[1] for r in res]
+            rows.append((n, tokens / sum(walls), tokens / len(res), res[0][3]["prompt_tokens"],
+                         pct(ttft, 50), pct(ttft, 95), pct(lat, 50), pct(lat, 95)))
+            print(f"  {n} clients: {rows[-1][1]:,.0f} tokens/s", file=sys.stderr, flush=True)
+        print(f"\n{a.engine} engine, {a.ckpt}: {a.rounds} waves a level, max_tokens {a.tokens}, ignore_eos, "
+              "temperature 0.8")
+        print("| clients | aggregate tokens/s | tokens/answer | prompt tokens | TTFT p50 / p95 (ms) | "
+              "latency p50 / p95 (s) |")
+        print("|---|---|---|---|---|---|")
+        for n, tps, per, pt, t50, t95, l50, l95 in rows:
+            print(f"| {n} | {tps:,.0f} | {per:.0f} | {pt} | {t50 * 1e3:,.0f} / {t95 * 1e3:,.0f} | {l50:.2f} / {l95:.2f} |")
+        base = rows[0]
+        if base[0] == 1:
+            print("\n" + ", ".join(f"{n} clients: {tps / base[1]:.1f}x one client's" for n, tps, *_ in rows[1:]))
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+if __name__ == "__main__":
+    main()
