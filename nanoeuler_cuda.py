@@ -2911,6 +2911,14 @@ def train(a, defaults, resume, group=None):
 #     product and its epilogue (the residual add, SwiGLU, or RoPE and the cache append) fused in; more
 #     rows (a prompt, many streams) take cuBLAS (sgemm_nt) and rope_store ---
 
+DEC_FIELDS = ("SLOT", "POS", "UNI", "TEMP", "TOPK", "TOPP", "PEN")   # a Decoder row's record, in order
+DEC_REC = 8         # ints a record (DEC_FIELDS, padded)
+ROW_SRC = f"""
+// A Decoder row's record: DEC_REC ints (`rec`; nullptr outside the Decoder): its cache slot, position, uniform
+// number and sampling rule (temperature, top_k, top_p, repetition penalty; floats as their bits)
+enum {{ ROW_REC = {DEC_REC}, {", ".join(f"ROW_{f} = {i}" for i, f in enumerate(DEC_FIELDS))} }};
+"""
+
 MATVEC_SRC = r"""
 // The pair (i, i + hd/2) of head hh of a new row of stream b at position p: rotated if a q or k head, written
 // back to the row r (its q|k|v), and appended to the cache if a k or v head (heads Hq.. Hq+Hkv-1 are k, the
@@ -2954,22 +2962,29 @@ extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict
 // memory (cp.async) before dep_wait, so the weights stream in while the previous kernel runs; then x', 8
 // rows at a time, into shared memory, and its warps take (unit, part) tasks in turn: PARTS warps split a
 // unit's K (16-byte pieces, K % 4 == 0), their partial sums added in a fixed order. UPB and PARTS depend on
-// W's shape alone (matvec_plan()), so each row's result is the same for any R. EPI:
+// W's shape alone (matvec_plan()), so each row's result is the same for any R. The Decoder's steps take more
+// rows, RC a block: blockIdx.y picks the chunk of RC rows (one chunk outside the Decoder); the chunks read
+// the same W, which L2 serves after the first (big's largest W, 12.6 MB; an H200's L2, 50 MB). EPI:
 //   OUT   units (c, c + N/2): out (R, N) = the product;  ADD the same, out += it (the residual, in place);
 //   GLU   W = [w1; w3] (N = 2F), units (f, f + F): out (R, F) = silu(s1) * s2, SwiGLU's activation;
 //   ROPE  W = [wq; wk; wv], units (i, i + hd/2) of each head: out = qkv with its q and k heads rotated at
-//         the row's position (state[0] + row % rows), k and v also appended to the caches kc and vc.
+//         the row's position (state[0] + row % rows, or its record's), k and v also appended to the caches kc
+//         and vc (at stream row / rows, or the record's slot).
 enum { OUT = 0, ADD = 1, GLU = 2, ROPE = 3 };
 template <int EPI, int PARTS> __device__ void matvec_rows(
         float* __restrict__ out, const float* __restrict__ x, const float* __restrict__ W,
         const float* __restrict__ nw, int R, int K, int N, int UPB, const int* __restrict__ state,
         const float* __restrict__ cosv, const float* __restrict__ sinv, float* __restrict__ kc,
-        float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {
+        float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx, const int* __restrict__ rec, int RC) {
     constexpr bool NORM = EPI != ADD;
     extern __shared__ __align__(16) float4 sm4[];         // [nu][2][K4] W's rows, [K4] nw, [<= 8][K4] x'
     __shared__ float red[2][8][8];                        // [sum][task][row of the group]
     __shared__ float rs[64];                              // each row's rstd
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, K4 = K >> 2, U = N / 2, half = hd / 2;
+    const int rc0 = blockIdx.y * RC;                      // the block's rows: rc0 ..
+    x += (i64)rc0 * K;
+    out += (i64)rc0 * (EPI == GLU ? U : N);
+    R = min(RC, R - rc0);
     const int u0 = blockIdx.x * UPB, nu = min(UPB, U - u0);
     auto cols = [&](int u, int& c1, int& c2) {
         if (EPI == ROPE) { c1 = (u / half) * hd + u % half; c2 = c1 + half; }
@@ -3010,9 +3025,11 @@ template <int EPI, int PARTS> __device__ void matvec_rows(
         if (EPI == OUT) { o[a] = s1; o[c] = s2; }
         if (EPI == ADD) { o[a] += s1; o[c] += s2; }
         if (EPI == GLU) o[u] = s1 / (1.f + expf(-s1)) * s2;
-        if (EPI == ROPE)
-            rope_append(s1, s2, o, u / half, u % half, r / rows, state[0] + r % rows, cosv, sinv, kc, vc, Hq, Hkv, hd,
-                        ctx);
+        if (EPI == ROPE) {
+            const int at = ROW_REC * (rc0 + r);
+            rope_append(s1, s2, o, u / half, u % half, rec ? rec[at + ROW_SLOT] : r / rows,
+                        rec ? rec[at + ROW_POS] : state[0] + r % rows, cosv, sinv, kc, vc, Hq, Hkv, hd, ctx);
+        }
     };
     for (int r0 = 0; r0 < R; r0 += 8) {
         const int nr = min(8, R - r0);
@@ -3078,10 +3095,12 @@ MATVEC_KERNELS = {   # name -> extern "C" instance: the kernels matvec() picks, 
     f'extern "C" __global__ void __launch_bounds__(256) {matvec_name(epi, parts)}(float* __restrict__ out, const float* '
     f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
-    f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx) {{ matvec_rows<{e}, '
-    f'{parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx); }}\n'
+    f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx, const int* __restrict__ '
+    f'rec, int RC) {{ matvec_rows<{e}, {parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, '
+    f'hd, ctx, rec, RC); }}\n'
     for parts in MATVEC_PARTS for e, epi in enumerate(MATVEC_EPI)}
-MATVEC_SRC = cuda_source("matvec", ["rope_store", *MATVEC_KERNELS], MATVEC_SRC + "".join(MATVEC_KERNELS.values()))
+MATVEC_SRC = cuda_source("matvec", ["rope_store", *MATVEC_KERNELS],
+                         ROW_SRC + MATVEC_SRC + "".join(MATVEC_KERNELS.values()))
 
 
 def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd):
@@ -3117,24 +3136,28 @@ def matvec_plan(U, K, sms=None):
     return upb, parts
 
 
-def matvec(out, x, W, epi="out", norm=None, rope=None):
+def matvec(out, x, W, epi="out", norm=None, rope=None, rec=None):
     """out = epi(x' @ W.T) for a decode step's R <= MATVEC_ROWS rows, x' = RMSNorm(x) * norm (every epi but
     'add', whose x is an activation); see MATVEC_SRC: 'out' out (R, N) = the product, 'add' out += it, 'glu'
     out (R, N/2) = silu(first half) * second half, 'rope' out = qkv, rotated, its k and v also into the
-    caches; rope = (kc, vc, cos, sin, state, rows, Hq, Hkv, hd)."""
+    caches; rope = (kc, vc, cos, sin, state, rows, Hq, Hkv, hd). rec (a Decoder step's rows' records, their
+    slots and positions for 'rope'): any R, MATVEC_ROWS rows a block."""
     (R, K), N = x.shape, W.shape[0]
-    assert (norm is None) == (epi == "add") and (rope is None) == (epi != "rope") and R <= MATVEC_ROWS
+    assert (norm is None) == (epi == "add") and (rope is None) == (epi != "rope")
+    assert R <= MATVEC_ROWS or rec is not None
     assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
     kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
     upb, parts = matvec_plan(N // 2, K)
     k = _k(matvec_name(epi, parts))
+    rc = min(R, MATVEC_ROWS)                                # rows a block
     smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
     assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
     shared_memory(k, smem)
-    launch(k, (-(-N // 2 // upb),), (256,), (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb),
-                                             state, cos, sin, kc, vc, I32(rows), I32(Hq), I32(Hkv), I32(hd),
-                                             I32(kc.shape[2] if rope else 0)), shared_mem=smem)
+    launch(k, (-(-N // 2 // upb), -(-R // rc)), (256,),
+           (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb), state, cos, sin, kc, vc,
+            I32(rows), I32(Hq), I32(Hkv), I32(hd), I32(kc.shape[2] if rope else 0), NULL if rec is None else rec,
+            I32(rc)), shared_mem=smem)
 
 
 # --- KV-cache attention: each new row's query heads over the keys cached so far (attn_cached_body, a
@@ -3148,10 +3171,12 @@ CACHE_ATTN_SRC = r"""
 // conflicts; rows padded by 8 floats); every warp finds the same chunk max and sum (online softmax across
 // chunks) and warp 0 writes p = exp(s - m); thread (d, r) sums output d over the keys k = r mod KG, and the
 // KG partial sums of each d are added by shuffles at the end. A row's result depends on CH, never on how
-// many rows or streams the step has.
+// many rows or streams the step has. A Decoder's step (rec): a block per (query head, row), the row's keys
+// 0 .. its position in its record's cache slot.
 template <int HD, typename TO> __device__ void attn_cached_body(
         const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
-        TO* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int CH) {
+        TO* __restrict__ out, const int* __restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int CH,
+        const int* __restrict__ rec) {
     constexpr int NT = 256, KS = HD + 8, D4 = HD / 4, KG = NT / HD;
     extern __shared__ __align__(16) float sm[];           // [CH][KS] keys, [CH][KS] values, [CH] scores, [CH] p
     __shared__ __align__(16) float qs[HD];
@@ -3161,9 +3186,10 @@ template <int HD, typename TO> __device__ void attn_cached_body(
     float* pr = sc + CH;
     const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z, j = h / (Hq / Hkv), tid = threadIdx.x, lane = tid & 31;
     const i64 n = (i64)b * rows + t;
-    const int Cq = Hq * HD, old = state[0];              // keys before old: earlier steps'
-    const float* K = kc + ((i64)b * Hkv + j) * ctx * HD;
-    const float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD;
+    const int Cq = Hq * HD, old = rec ? rec[ROW_REC * b + ROW_POS] : state[0];   // keys before old: earlier steps'
+    const i64 cb = rec ? rec[ROW_REC * b + ROW_SLOT] : b;                        // the cache's stream
+    const float* K = kc + (cb * Hkv + j) * ctx * HD;
+    const float* Vv = vc + (cb * Hkv + j) * ctx * HD;
     auto stage = [&](int k0, int k1, int c0) {          // keys k0 .. k1-1 of the chunk that starts at c0
         for (int i = tid; i < (k1 - k0) * D4; i += NT) {
             const int k = k0 + i / D4, d = 4 * (i % D4);
@@ -3392,15 +3418,17 @@ CACHE_ATTN_KERNELS = {
     **{attn_cached_name(hd, bf):
        f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) {attn_cached_name(hd, bf)}(const float* __restrict__ qkv, '
        f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
-       f'int rows, int Hq, int Hkv, int ctx, float scale, int ch) {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, '
-       f'rows, Hq, Hkv, ctx, scale, ch); }}\n' for hd in ATTN_CACHED_HD for bf, to in ATTN_OUT},
+       f'int rows, int Hq, int Hkv, int ctx, float scale, int ch, const int* __restrict__ rec) {{ '
+       f'attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, ctx, scale, ch, rec); }}\n'
+       for hd in ATTN_CACHED_HD for bf, to in ATTN_OUT},
     **{attn_warps_name(hd, gq, bf):
        f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) {attn_warps_name(hd, gq, bf)}(const float* '
        f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
        f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
        f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
        f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for bf, to in ATTN_OUT}}
-CACHE_ATTN_SRC = cuda_source("cache_attn", CACHE_ATTN_KERNELS, CACHE_ATTN_SRC + "".join(CACHE_ATTN_KERNELS.values()))
+CACHE_ATTN_SRC = cuda_source("cache_attn", CACHE_ATTN_KERNELS,
+                             ROW_SRC + CACHE_ATTN_SRC + "".join(CACHE_ATTN_KERNELS.values()))
 
 
 def attn_warps(R, Hq, Hkv, hd):
@@ -3408,33 +3436,34 @@ def attn_warps(R, Hq, Hkv, hd):
     return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
 
 
-def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None):
+def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None):
     """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
     rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
-    here."""
+    here. rec (a Decoder step, a row per record): each row over its own slot and position, as one row alone."""
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
-    if attn_warps(R, Hq, Hkv, hd):                          # many blocks that share the SMs
+    assert rec is None or (rows == 1 and rope is None)
+    if rec is None and attn_warps(R, Hq, Hkv, hd):          # many blocks that share the SMs
         assert rope is None or rows == 1
         cos, sin = rope or (NULL, NULL)
         k = _k(attn_warps_name(hd, Hq // Hkv, out.dtype == BF))
         return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
                       (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
     assert rope is None
-    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH   # keys a chunk: a few blocks, or many
-                                                                         # that share SMs
+    # keys a chunk: a few blocks (or a Decoder's rows, each as it is alone), or many that share the SMs
+    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS or rec is not None else ATTN_BATCH_CH
     smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
     k = _k(attn_cached_name(hd, out.dtype == BF))         # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
-           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch)),
-           shared_mem=smem)
+           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch),
+            NULL if rec is None else rec), shared_mem=smem)
 
 
 # --- sampling: each stream's next id drawn on the device by pipeline.Sampling's rule, and the step's
 #     position advanced ---
 
-SAMPLING_SRC = cuda_source("sampling", ["sample_tokens", "advance"], r"""
+SAMPLING_SRC = cuda_source("sampling", ["sample_tokens", "advance"], ROW_SRC + r"""
 // block-wide exclusive prefix sum of one value per thread (in thread order); *total gets the sum
 __device__ float block_scan(float v, float* total) {
     __shared__ float ws[33];
@@ -3461,11 +3490,13 @@ __device__ float block_scan(float v, float* total) {
 // order whose mass reaches top_p; the id is where the mass summed in id order first exceeds u * total,
 // u = uni[step * streams + b], drawn on the host from --seed's generator. The descending order comes
 // from a bitonic sort of (z, id) in shared memory over Vp = V rounded up to a power of two. The id goes
-// to tokens[step * streams + b], to state[2 + b] (the next step's input) and into seen.
+// to tokens[step * streams + b], to state[2 + b] (the next step's input) and into seen. A Decoder's step
+// (rec): row b's rule, u and seen row (its cache slot) from its record, and the id -1 where a logit is not
+// finite.
 extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
-        float temperature, int top_k, float top_p, float penalty) {
+        float temperature, int top_k, float top_p, float penalty, const int* __restrict__ rec) {
     extern __shared__ __align__(16) float sm[];
     dep_trigger();
     dep_wait();
@@ -3473,18 +3504,27 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
     int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
     float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
     int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, streams = gridDim.x, step = state[1];
+    const int* rr = rec + ROW_REC * b;                    // (rec only)
+    if (rec) {
+        temperature = __int_as_float(rr[ROW_TEMP]);
+        top_k = rr[ROW_TOPK];
+        top_p = __int_as_float(rr[ROW_TOPP]);
+        penalty = __int_as_float(rr[ROW_PEN]);
+    }
     const float* z = logits + (i64)b * ldl;
-    int* sn = seen + (i64)b * V;
+    int* sn = seen + (i64)(rec ? rr[ROW_SLOT] : b) * V;
+    int bad = 0;
     for (int v = tid; v < Vp; v += nt) {
         float x = NEG_INF;
         if (v < V) {
             x = z[v];
+            bad |= !isfinite(x);
             if (penalty != 1.f && sn[v]) x = x > 0.f ? x / penalty : x * penalty;
         }
         sv[v] = x;
         si[v] = v;
     }
-    __syncthreads();
+    const bool fail = __syncthreads_or(bad) && rec;     // (the Decoder's) a logit is not finite
     int tok;
     if (temperature <= 0.f) {
         float bv = NEG_INF;
@@ -3524,7 +3564,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         loc = 0.f;
         for (int v = j0; v < j1; v++) loc += pv[v];
         run = block_scan(loc, &total);
-        float target = uni[(i64)step * streams + b] * total;
+        float target = (rec ? __int_as_float(rr[ROW_UNI]) : uni[(i64)step * streams + b]) * total;
         int first = V - 1;
         for (int v = j0; v < j1; v++) {
             run += pv[v];
@@ -3534,10 +3574,11 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         block_argmax(fv, first);
         tok = first;
     }
+    if (fail) tok = -1;
     if (tid == 0) {
         tokens[(i64)step * streams + b] = tok;
-        state[2 + b] = tok;
-        sn[tok] = 1;
+        state[2 + b] = max(tok, 0);
+        if (tok >= 0) sn[tok] = 1;
     }
 }
 extern "C" __global__ void advance(int* state, int dpos, int dstep) {
@@ -3548,16 +3589,17 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
 """)
 
 
-def sample_tokens(logits, seen, uni, state, tokens, sampling):
-    """One id per stream from logits (streams, >= V) by sampling's rule; see SAMPLING_SRC."""
-    streams, V = seen.shape
+def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None):
+    """One id per stream from logits (streams, >= V) by sampling's rule; see SAMPLING_SRC. rec (a Decoder's):
+    one id per row of logits by its record's rule, u and seen row (sampling unused)."""
+    streams, V = logits.shape[0], seen.shape[1]
     Vp = 1 << max(V - 1, 1).bit_length()
     smem = (2 * Vp + V) * 4
     k = _k("sample_tokens")
     shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
     launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
                                     F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
-                                    F32(sampling.repetition_penalty)), shared_mem=smem)
+                                    F32(sampling.repetition_penalty), NULL if rec is None else rec), shared_mem=smem)
 
 
 def advance(state, dpos, dstep):
@@ -3631,9 +3673,10 @@ MAX_GRAPHS = 64     # a sampler's captured graphs at most
 class Sampler:
     """Generation from fp32 weights: P is DeviceParams (shared, not copied: a training run samples its live
     weights) or host Params (uploaded). Caches for `streams` sequences: generate() uses one, generate_batch()
-    up to `streams`. graphs=False launches every kernel from Python instead of replaying graphs."""
+    up to `streams`. graphs=False launches every kernel from Python instead of replaying graphs. bf16=False:
+    no bf16 copy of the weights for batches of many streams (a Decoder's steps take matvec)."""
 
-    def __init__(self, P, streams=1, graphs=True):
+    def __init__(self, P, streams=1, graphs=True, bf16=True):
         gpu()
         if isinstance(P, pl.Params):
             dp = DeviceParams(P.cfg)
@@ -3673,7 +3716,7 @@ class Sampler:
         # a decode step of more than MATVEC_ROWS streams: bf16 weights and GEMM inputs, fp32 accumulation and
         # outputs (half the bytes of fp32 weights: 64 streams of big, 77K -> 94-100K tokens/s); the copy is
         # refreshed from P before each batch (a training run's sampler reads live weights)
-        self.Pb = DeviceParams(cfg, dtype=BF) if streams > MATVEC_ROWS else None
+        self.Pb = DeviceParams(cfg, dtype=BF) if streams > MATVEC_ROWS and bf16 else None
         if self.Pb is not None:                  # the products' bf16 inputs: RMSNorm's output, attention's, SwiGLU's
             self.hb, self.attb, self.actb = (cp.empty((streams, n), BF) for n in (D, Hq * hd, F))
         self.stream = cp.cuda.Stream()           # blocking: ordered with the default stream that training uses
@@ -3681,16 +3724,17 @@ class Sampler:
         self.pos = 0                             # the cache holds positions 0 .. pos-1 (host's copy)
 
     # --- the passes ---
-    def _linear(self, out, x, names, epi, norm=None, layer=None, rows=1, bf=False):
+    def _linear(self, out, x, names, epi, norm=None, layer=None, rows=1, bf=False, rec=None):
         """out = epi(x' @ W.T), W the matrices names (first, last) stacked, x' = RMSNorm(x) * norm or x
         (matvec's epilogues; layer, rows: the caches and rows per stream of 'rope'): one matvec kernel for a
-        decode step (exact whatever its row count); for more rows, RMSNorm, cuBLAS and the epilogue's own
-        kernel: fp32 products, or (bf) bf16 weights and inputs with fp32 accumulation and output."""
+        decode step (exact whatever its row count; rec: a Decoder's, any row count); for more rows, RMSNorm,
+        cuBLAS and the epilogue's own kernel: fp32 products, or (bf) bf16 weights and inputs with fp32
+        accumulation and output."""
         R, cfg = x.shape[0], self.cfg
         rope = None if epi != "rope" else (self.kc[layer], self.vc[layer], self.cos, self.sin, self.state, rows,
                                            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        if R <= MATVEC_ROWS:
-            return matvec(out, x, self.P.rows(*names), epi, norm, rope)
+        if R <= MATVEC_ROWS or rec is not None:
+            return matvec(out, x, self.P.rows(*names), epi, norm, rope, rec)
         if norm is not None:
             h = self.hb[:R] if bf else self.h[:R]
             rmsnorm_fwd(x, norm, h, self.r[:R])
@@ -3710,14 +3754,15 @@ class Sampler:
         n = heads * self.cfg.vocab
         return self.logits[:rows * n].reshape(rows, n)
 
-    def _forward(self, rows, streams, heads, prefill=False):
+    def _forward(self, rows, streams, heads, prefill=False, rec=None):
         """The model over `rows` new ids per stream (state[2:], row = stream * rows + t) at positions
         state[0] + t, appended to the caches; -> heads' logits of each row in _lg (prefill: the last row).
         Up to MATVEC_ROWS rows take matvec, each row's result the same for any row count; more take cuBLAS:
         a prompt in fp32, a decode step of many streams from bf16 weights (ids may differ from fp32's where
-        two logits nearly tie)."""
+        two logits nearly tie). rec (a Decoder's step, rows = 1): each stream's cache slot and position from
+        its record, every product by matvec and every row's attention as a lone row's."""
         cfg, P, R = self.cfg, self.P, rows * streams
-        bf = not prefill and R > MATVEC_ROWS
+        bf = not prefill and R > MATVEC_ROWS and rec is None
         hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
         x, qkv = self.x[:R], self.qkv[:R]
         att, act = (self.attb[:R], self.actb[:R]) if bf else (self.att[:R], self.act[:R])
@@ -3725,17 +3770,19 @@ class Sampler:
         fold = bf and rows == 1 and attn_warps(R, Hq, Hkv, hd)      # the attention rotates and appends
         for l in range(L):
             p = f"layers.{l}."
-            self._linear(qkv, x, (p + "wq", p + "wv"), "out" if fold else "rope", P[p + "attn_norm"], l, rows, bf)
+            self._linear(qkv, x, (p + "wq", p + "wv"), "out" if fold else "rope", P[p + "attn_norm"], l, rows, bf,
+                         rec)
             if prefill and hd in (32, 64):                                  # the prompt starts at 0
                 flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
             else:
                 attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd,
-                            (self.cos, self.sin) if fold else None)
-            self._linear(x, att, (p + "wo",) * 2, "add", bf=bf)                 # x += attention
-            self._linear(act, x, (p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], bf=bf)
-            self._linear(x, act, (p + "w2",) * 2, "add", bf=bf)                 # x += ffn
+                            (self.cos, self.sin) if fold else None, rec)
+            self._linear(x, att, (p + "wo",) * 2, "add", bf=bf, rec=rec)                 # x += attention
+            self._linear(act, x, (p + "w1", p + "w3"), "glu", P[p + "ffn_norm"], bf=bf, rec=rec)
+            self._linear(x, act, (p + "w2",) * 2, "add", bf=bf, rec=rec)                 # x += ffn
         last = x[R - 1:R] if prefill else x
-        self._linear(self._lg(len(last), heads), last, ("heads.0", f"heads.{heads - 1}"), "out", P["norm"], bf=bf)
+        self._linear(self._lg(len(last), heads), last, ("heads.0", f"heads.{heads - 1}"), "out", P["norm"], bf=bf,
+                     rec=rec)
 
     def _prefill(self, ids, streams, heads):
         """The prompt into stream 0's cache (copied to streams 1..), its last row's logits in _lg rows
@@ -3759,8 +3806,9 @@ class Sampler:
     def _run(self, key, fn):
         """fn's kernels: launched on first use (which also compiles them), captured as a CUDA graph, then
         replayed: one launch for a whole step. Everything fn reads is a fixed buffer or baked into key."""
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is not None:
+            self._graphs[key] = g                # the least recently used goes first (a server's prompt lengths)
             return g.launch(self.stream)
         fn()
         if not self.graphs:
@@ -3924,6 +3972,137 @@ class Sampler:
         return [out[:, r].tolist() for r in range(n)]
 
 
+DECODER_MAX = 64                              # a Decoder's rows (concurrent requests) at most
+DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)    # a step's rows rounded up to one of these: a CUDA graph each
+DECODER_MEMORY = 0.5                          # the part of the free device memory a default Decoder's caches take
+
+
+def decoder_capacity(cfg, free=None):
+    """A Decoder's rows by default: the caches (and the prefill's) that DECODER_MEMORY of the device's free
+    memory holds, at most DECODER_MAX."""
+    free = cp.cuda.runtime.memGetInfo()[0] if free is None else free
+    per = (2 * cfg.n_layers * cfg.n_kv_heads * (cfg.ctx + cfg.n_mtp) * cfg.head_dim + cfg.vocab) * 4
+    return max(1, min(DECODER_MAX, int(free * DECODER_MEMORY) // per - 1))
+
+
+class Decoder(Sampler):
+    """Continuous batching (serve.py's decoder: start, step, free; one thread uses it): `capacity` rows, each
+    a request with its own prompt, position, sampling rule and random generator, decoded together a step at a
+    time. A row's ids depend on its own prompt, rule and seed alone, never on the other rows, and equal what
+    the Sampler gives that prompt alone. Row i's cache is stream i + 1; stream 0 takes each prompt's prefill
+    (the Sampler's, as one stream), then its cache rows and seen ids are copied to the row's. A step runs the
+    active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows past them: stream 0 at
+    position 0, greedy; what they write no live row reads), a CUDA graph each: every product by matvec and
+    every attention by attn_cached as a row alone takes them, then sample_tokens per row. Each row draws one
+    uniform number a step (its first id too), greedy or not, as the Sampler draws them in order. The host
+    sends the rows' records and input ids in one copy and reads their ids back in one."""
+    _POS, _UNI = DEC_FIELDS.index("POS"), DEC_FIELDS.index("UNI")
+    _SCALARS = pl.Sampling(0)            # sample_tokens' scalar rule, unused where it reads the records
+
+    def __init__(self, P, capacity=None, graphs=True):
+        gpu()
+        capacity = capacity or decoder_capacity(P.cfg)
+        if not 1 <= capacity <= DECODER_MAX:
+            raise UserError(f"a batch of {capacity} rows: the GPU engine takes 1 to {DECODER_MAX}")
+        super().__init__(P, streams=capacity + 1, graphs=graphs, bf16=False)
+        self.capacity, self.ctx = capacity, self.cfg.ctx
+        self.buckets = [b for b in DECODER_BUCKETS if b < capacity] + [capacity]
+        nr = DEC_REC * capacity          # one device buffer [records | state], so a step's inputs go up in one
+        self._dev = cp.zeros(nr + len(self.state), np.int32)      # copy (before any capture: graphs keep addresses)
+        self.rec, self.state = self._dev[:nr], self._dev[nr:]
+        self._up = _pinned(nr + 2 + capacity)                     # its host side
+        self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (the uniform: drawn each step)
+        self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
+        self._last = np.zeros(capacity, np.int32)                 # each row's last id: its next input
+        self._rng = [None] * capacity
+
+    @staticmethod
+    def _record(slot, pos, sampling):
+        r = np.zeros(DEC_REC, np.int32)
+        f, at = r.view(np.float32), DEC_FIELDS.index
+        r[at("SLOT")], r[at("POS")], r[at("TOPK")] = slot, pos, sampling.top_k
+        f[at("TEMP")], f[at("TOPP")], f[at("PEN")] = sampling.temperature, sampling.top_p, sampling.repetition_penalty
+        return r
+
+    def _upload(self, rows, B):
+        """The records of rows (an int array), each with a uniform number from its row's generator, then
+        self._pad up to B, and state = [0, 0, their last ids, 0 ..]: to the device in one copy."""
+        n, nr = len(rows), self.rec.size
+        recs, st = self._up[:nr].reshape(self.capacity, DEC_REC), self._up[nr:]
+        recs[:n] = self._rows[rows]
+        recs[:n, self._UNI] = np.array([self._rng[r].random() for r in rows], np.float32).view(np.int32)
+        recs[n:B] = self._pad
+        st[:2], st[2:2 + n], st[2 + n:2 + B] = 0, self._last[rows], 0
+        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr, self._up.ctypes.data, (nr + 2 + B) * 4, 1, self.stream.ptr)
+
+    def _sample(self, B):
+        sample_tokens(self._lg(B, 1), self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec)
+
+    def start(self, row, ids, sampling, seed):
+        """Prefills row `row` (free) with the prompt ids, resets its seen ids to them and its generator to
+        default_rng(seed); -> its first id (-1: the prompt's last logits are not all finite)."""
+        ids = [int(i) for i in ids]
+        pl.check_prompt(len(ids), self.ctx)
+        assert 0 <= row < self.capacity, row
+        Tn, s = len(ids), row + 1
+        self._rng[row] = np.random.default_rng(seed)
+        self._rows[row] = self._record(s, Tn, sampling)
+        with self._on_stream():
+            self._prefill(ids, 1, 1)                             # stream 0, as one stream alone
+            self.kv[:, :, s, :, :Tn] = self.kv[:, :, 0, :, :Tn]
+            self.seen[s] = self.seen[0]
+            self._upload(np.array([row]), 1)
+            self._sample(1)
+            tok = int(self._host(self.tokens, self._tokens_h, 1)[0])
+        self._last[row] = max(tok, 0)
+        return tok
+
+    def step(self, rows):
+        """One decode step of the active rows (ascending ints), each fed the id it gave last -> their next
+        ids (an int array; -1 for a row whose logits are not all finite)."""
+        rows = np.asarray(rows, np.intp)
+        n = len(rows)
+        B = next(b for b in self.buckets if b >= n)
+        assert 0 < n and self._rows[rows, self._POS].max() < self.ctx, "a row past the context"
+        with self._on_stream():
+            self._upload(rows, B)
+            self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(B)))
+            ids = self._host(self.tokens, self._tokens_h, n).copy()
+        self._rows[rows, self._POS] += 1
+        self._last[rows] = np.maximum(ids, 0)
+        return ids
+
+    def free(self, row):
+        """Forgets row `row`; its cache is reusable at once."""
+        self._rng[row] = None
+
+
+def decode_requests(dec, reqs):
+    """Requests (arrival step, prompt ids, ids wanted, pl.Sampling, seed) through a Decoder as serve runs
+    them: each joins at its arrival step (later while every row is taken) in the lowest free row, and leaves
+    once it has its ids; -> each one's ids. The self-test's and the tests' schedule."""
+    out, rows, t = [[] for _ in reqs], {}, 0                 # rows: row -> request
+    waiting = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
+
+    def got(r, i, tok):
+        out[i].append(int(tok))
+        if len(out[i]) >= reqs[i][2]:
+            dec.free(r)
+            del rows[r]
+    while waiting or rows:
+        while waiting and reqs[waiting[0]][0] <= t and len(rows) < dec.capacity:
+            i = waiting.pop(0)
+            r = min(set(range(dec.capacity)) - set(rows))
+            rows[r] = i
+            got(r, i, dec.start(r, reqs[i][1], reqs[i][3], reqs[i][4]))
+        if rows:
+            active = sorted(rows)
+            for r, tok in zip(active, dec.step(active)):
+                got(r, rows[r], tok)
+        t += 1
+    return out
+
+
 def bench_generation(P, prompt, n=200, streams=64, reps=3):
     """Greedy generation of n tokens after the prompt: plain and speculative (one stream; the same ids) and
     `streams` continuations in one batch; each run once untimed (compiles, captures the graphs), then the
@@ -4024,13 +4203,12 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"))
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default: the caches that {DECODER_MEMORY:.0%} "
+                          f"of the GPU's free memory holds, at most {DECODER_MAX}")
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    sampler = Sampler(P)                             # one worker thread generates: one KV cache is enough
-    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda ids, n, sampling, rng: sampler.generate(
-        ids, n, sampling=sampling, rng=rng, speculative=pl.speculative_for(a.speculative, sampling)), "GPU")
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows), "GPU")
 
 
 # --- DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
@@ -4472,6 +4650,7 @@ def selftest_checks(rng):
             R.append((f"{tag} bwd dk", rel_err(d[:, Cq:Cq + Ck], dqkv_r[:, Cq:Cq + Ck]), tol))
             R.append((f"{tag} bwd dv", rel_err(d[:, Cq + Ck:], dqkv_r[:, Cq + Ck:]), tol))
     R += selftest_generation(rng, randn, tol)
+    R += selftest_decoder(rng)
     R += selftest_adamw(rng, randn, tol)
     # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
     M, Nn, Kk = 96, 80, 1000
@@ -4614,6 +4793,56 @@ def selftest_generation(rng, randn, tol):
     am = cp.zeros(6, np.int32)
     argmax_heads(_d(lg), V, am)
     R.append(("argmax_heads (ids differing)", float((cp.asnumpy(am) != lg.reshape(6, V).argmax(1)).sum()), 0.0))
+    return R
+
+
+def decoder_requests(rng, V, n):
+    """n random requests for decode_requests: arrivals over 12 steps, prompts of 1-19 ids, 2-24 ids wanted,
+    greedy and sampled rules (top-k, top-p, a repetition penalty)."""
+    rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3), pl.Sampling(1.2, 5)]
+    return [(int(rng.integers(0, 12)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
+             int(rng.integers(2, 25)), rules[i % len(rules)], int(rng.integers(0, 2 ** 63))) for i in range(n)]
+
+
+def selftest_decoder(rng):
+    """The Decoder (continuous batching): requests interleaved in a batch of more than MATVEC_ROWS rows
+    (arrivals, rows freed and taken again, waiting for a row) give each request's ids alone, and alone the
+    Sampler's ids with the same seed; a row's step logits equal the Sampler's bit for bit; a row with NaN in
+    its cache gets -1 while the others go on."""
+    R = []
+    for name in ("tiny", "small"):
+        P = gradcheck_params(pl.CONFIGS[name], rng, scale=0.3)
+        V, cap = P.cfg.vocab, MATVEC_ROWS + 4                    # buckets up to 20 rows: two of matvec's chunks
+        dec, smp = Decoder(P, cap), Sampler(P)
+        reqs = decoder_requests(rng, V, cap + 8)
+        alone = [decode_requests(dec, [(0, *q[1:])])[0] for q in reqs]
+        mixed = decode_requests(dec, reqs)
+        R.append((f"decoder {name}: {len(reqs)} requests interleaved in {cap} rows == each alone (ids differing)",
+                  float(sum(a != b for x, y in zip(alone, mixed) for a, b in zip(x, y))
+                        + sum(len(x) != len(y) for x, y in zip(alone, mixed))), 0.0))
+        bad = 0
+        for (_, ids, n, sampling, seed), want in zip(reqs, alone):
+            got = list(smp.generate(ids, n, sampling, np.random.default_rng(seed)))
+            bad += sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+        R.append((f"decoder {name}: a request alone == Sampler.generate, its seed (ids differing)", float(bad), 0.0))
+        # three rows at once, the middle one's cache poisoned: it gets -1, rows 0 and 2 their ids alone, and
+        # their last step's logits (rows 0 and 2 of a bucket of 4) are the Sampler's, bit for bit
+        m = min(len(alone[0]), len(alone[2]))
+        first = [dec.start(r, *reqs[r][1:2], *reqs[r][3:]) for r in range(3)]
+        dec.kv[:, :, 2, :, 0] = np.nan
+        got = [[t] for t in first]
+        for _ in range(m - 1):
+            for r, t in enumerate(dec.step([0, 1, 2])):
+                got[r].append(int(t))
+        R.append((f"decoder {name}: the row with NaN in its cache gets -1, the others their ids (ids differing)",
+                  float((got[0] != alone[0][:m]) + (got[2] != alone[2][:m]) + (got[1][1:] != [-1] * (m - 1))), 0.0))
+        err = 0.0
+        for r in (0, 2):
+            list(smp.generate(reqs[r][1], m, reqs[r][3], np.random.default_rng(reqs[r][4])))
+            err = max(err, float(cp.abs(dec.logits[r * V:(r + 1) * V] - smp.logits[:V]).max()))
+        R.append((f"decoder {name}: a row's step logits == the Sampler's (bitwise)", err, 0.0))
+        for r in range(3):
+            dec.free(r)
     return R
 
 
@@ -5056,7 +5285,8 @@ def cmd_bench(argv):
     p.add_argument("--json", help="also write the results to this file (default: none)")
     p.add_argument("--ckpt", help="weights for the generation benchmark (default random weights of the config, "
                    "with which the MTP heads' drafts are right by chance only)")
-    p.add_argument("--only", choices=["train", "generation"], help="run one part (default both)")
+    p.add_argument("--only", choices=["train", "generation", "decoder"], help="run one part (default all: "
+                   "decoder is serve's batch, step() alone)")
     distributed = _distributed()
     p.add_argument("--gpus", type=int, metavar="N", help="the training step on one GPU and on N (data parallel, "
                    "ZeRO-1; B per GPU): tokens/s of each, the speed-up, MFU and memory per GPU (default: one GPU, "
@@ -5089,6 +5319,9 @@ def cmd_bench(argv):
     name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if a.only == "generation":                      # a mode returns None on success (an int is an exit status)
         bench_json(a.json, device=name, config=a.config, generation=print_bench_generation(a, cfg))
+        return
+    if a.only == "decoder":
+        bench_json(a.json, device=name, config=a.config, decoder=print_bench_decoder(a, cfg))
         return
     print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, flash attention; "
           f"{a.steps} steps back to back after 3 warm-up steps; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16 "
@@ -5123,8 +5356,9 @@ def cmd_bench(argv):
     print(f"flash bf16 vs flash fp32: {att['flash-fp32'][1] / att['flash-bf16'][1]:.1f}x, vs naive: "
           f"{att['naive'][1] / att['flash-bf16'][1]:.1f}x (fwd+bwd)")
     gen = print_bench_generation(a, cfg) if a.only != "train" else None
+    dec = print_bench_decoder(a, cfg) if a.only != "train" else None
     bench_json(a.json, device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att,
-               generation=gen)
+               generation=gen, decoder=dec)
 
 
 def print_bench_generation(a, cfg):
@@ -5144,6 +5378,40 @@ def print_bench_generation(a, cfg):
     print(f"  {g['streams']} streams in one batch                  {g['batch']:10,.0f} tokens/s in all; after "
           f"{SUSTAIN_S:.0f} s more of them {g['sustained']:,.0f}")
     return g
+
+
+def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3):
+    """serve's batch without HTTP: Decoder.step() alone for each count of rows, every row a prompt of
+    prompt_len ids sampled at temperature 0.8 (top-k 40) with its own seed; warm steps first (the graphs),
+    then the best of reps runs of `steps` -> (prompt_len, {rows: (ms a step, tokens/s)})."""
+    rows, prompt_len = [n for n in rows if n <= DECODER_MAX], min(prompt_len, P.cfg.ctx // 4)
+    dec, rng, out = Decoder(P, max(rows)), np.random.default_rng(0), {}
+    steps = min(steps, (P.cfg.ctx - prompt_len) // (reps + 1) - 1)     # every row stays within the context
+    for n in rows:
+        for r in range(n):
+            dec.start(r, [int(i) for i in rng.integers(1, P.cfg.vocab, prompt_len)], pl.Sampling(0.8, 40), r)
+        best = float("inf")
+        for rep in range(reps + 1):                 # the first: graph capture
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.step(list(range(n)))
+            best = min(best, time.perf_counter() - t0) if rep else best
+        out[n] = (best / steps * 1e3, n * steps / best)
+        for r in range(n):
+            dec.free(r)
+    return prompt_len, out
+
+
+def print_bench_decoder(a, cfg):
+    P = pl.load_checkpoint(a.ckpt)[0] if a.ckpt else pl.Params.init(cfg, seed=0)
+    set_tf32(False)
+    prompt_len, d = bench_decoder(P)
+    print(f"\nserve's batch (Decoder.step alone, no HTTP), {P.cfg.n_layers} layers, {prompt_len}-token prompts, "
+          "temperature 0.8 (best of 3):")
+    print(f"{'rows':>6}{'ms/step':>10}{'tokens/s':>12}")
+    for n, (ms, tps) in d.items():
+        print(f"{n:>6}{ms:10.3f}{tps:12,.0f}")
+    return {str(n): dict(ms=ms, tok_s=tps) for n, (ms, tps) in d.items()}
 
 
 # ----------------------------------------------------------------------------------------------------

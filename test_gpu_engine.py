@@ -223,6 +223,45 @@ def test_gpu_generation_matches_cpu_engine(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_gpu_decoder_rows_are_their_requests_alone(name):
+    """The GPU Decoder (serve's continuous batching): requests arriving at different steps, more of them than
+    rows (some wait), rows freed and taken again, greedy and sampled, in a batch of more than MATVEC_ROWS rows
+    (two matvec chunks), each give the CPU engine's generate with their seed (the CPU engine being held to
+    test_reference.py; peaked weights leave no near-ties), as four arriving at once do; Python launches
+    give the same; a row with NaN in its cache gets -1 while the others go on, and its row, freed, serves
+    the next request right. (The self-test also holds each row's logits to the Sampler's, bit for bit.)"""
+    P = _peaky(name)
+    rng, V = np.random.default_rng(11), P.cfg.vocab
+    rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3)]
+    reqs = [(int(rng.integers(0, 10)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
+             int(rng.integers(2, 20)), rules[i % 3], 1000 + i) for i in range(nc.MATVEC_ROWS + 8)]
+    dec = nc.Decoder(P, nc.MATVEC_ROWS + 3)
+    assert (dec.capacity, dec.ctx, dec.buckets) == (19, P.cfg.ctx, [1, 2, 4, 8, 16, 19])
+    want = [list(ne.generate(P, ids, n, sampling=smp, rng=np.random.default_rng(seed)))
+            for _, ids, n, smp, seed in reqs]
+    assert nc.decode_requests(dec, reqs) == want
+    assert nc.decode_requests(dec, [(0, *q[1:]) for q in reqs[:4]]) == want[:4]     # four arriving at once
+    eager = nc.Decoder(P, 4, graphs=False)
+    assert [nc.decode_requests(eager, [(0, *q[1:])])[0] for q in reqs[:3]] == want[:3]
+    assert dec.graphs and len(want) > dec.capacity
+    # three rows, the middle one's cache poisoned after its start: it gets -1 at every step, the others
+    # their ids; then it is freed and its row serves a new request right
+    first = [dec.start(r, reqs[r][1], reqs[r][3], reqs[r][4]) for r in range(3)]
+    dec.kv[:, :, 2, :, :] = np.nan
+    got = [[t] for t in first]
+    m = min(len(want[0]), len(want[2]))
+    for _ in range(m - 1):
+        for g, t in zip(got, dec.step([0, 1, 2]).tolist()):
+            g.append(t)
+    assert got[0] == want[0][:m] and got[2] == want[2][:m] and got[1][1:] == [-1] * (m - 1)
+    dec.free(1)                      # its row again: the prompt's keys copied, the NaNs past them never read
+    again = [dec.start(1, reqs[5][1], reqs[5][3], reqs[5][4])]
+    again += [int(dec.step([1])[0]) for _ in range(len(want[5]) - 1)]
+    assert again == want[5]
+
+
+@pytest.mark.gpu
 def test_gpu_sample_modes(tmp_path):
     """--samples N prints N continuations and the aggregate speed; speculative and plain greedy print the
     same text; chat runs on the same sampler."""
