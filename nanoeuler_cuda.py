@@ -4208,7 +4208,7 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog="nanoeuler_cuda.py serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default: the caches that {DECODER_MEMORY:.0%} "
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default: the caches that {DECODER_MEMORY * 100:.0f}%% "
                           f"of the GPU's free memory holds, at most {DECODER_MAX}")
     a = p.parse_args(argv)
     gpu()
