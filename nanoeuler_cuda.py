@@ -4806,10 +4806,10 @@ def selftest_generation(rng, randn, tol):
 
 
 def decoder_requests(rng, V, n):
-    """n random requests for decode_requests: arrivals over 12 steps, prompts of 1-19 ids, 2-24 ids wanted,
+    """n random requests for decode_requests: arrivals over 6 steps, prompts of 1-19 ids, 2-24 ids wanted,
     greedy and sampled rules (top-k, top-p, a repetition penalty)."""
     rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3), pl.Sampling(1.2, 5)]
-    return [(int(rng.integers(0, 12)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
+    return [(int(rng.integers(0, 6)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
              int(rng.integers(2, 25)), rules[i % len(rules)], int(rng.integers(0, 2 ** 63))) for i in range(n)]
 
 

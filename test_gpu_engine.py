@@ -234,13 +234,17 @@ def test_gpu_decoder_rows_are_their_requests_alone(name):
     P = _peaky(name)
     rng, V = np.random.default_rng(11), P.cfg.vocab
     rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3)]
-    reqs = [(int(rng.integers(0, 10)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
+    reqs = [(int(rng.integers(0, 5)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
              int(rng.integers(2, 20)), rules[i % 3], 1000 + i) for i in range(nc.MATVEC_ROWS + 8)]
     dec = nc.Decoder(P, nc.MATVEC_ROWS + 3)
     assert (dec.capacity, dec.ctx, dec.buckets) == (19, P.cfg.ctx, [1, 2, 4, 8, 16, 19])
     want = [list(ne.generate(P, ids, n, sampling=smp, rng=np.random.default_rng(seed)))
             for _, ids, n, smp, seed in reqs]
+    sizes, step = [], dec.step
+    dec.step = lambda rows: (sizes.append(len(rows)), step(rows))[1]
     assert nc.decode_requests(dec, reqs) == want
+    assert max(sizes) > nc.MATVEC_ROWS and len(set(sizes)) > 4, sizes     # two chunks; buckets of many sizes
+    del dec.step
     assert nc.decode_requests(dec, [(0, *q[1:]) for q in reqs[:4]]) == want[:4]     # four arriving at once
     eager = nc.Decoder(P, 4, graphs=False)
     assert [nc.decode_requests(eager, [(0, *q[1:])])[0] for q in reqs[:3]] == want[:3]
