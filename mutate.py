@@ -43,6 +43,7 @@ _CKPT = ("test_cpu_engine.py::test_checkpoint_survives_a_crash_between_write_and
 _T36A_SERVE = ("test_serve.py::test_chat_wire_format_finish_reason_and_usage", "test_serve.py::test_completions_wire_format",
                "test_serve.py::test_up_to_four_stop_strings")
 _T36A_EXPORT = ("test_export.py::test_gguf_metadata_is_the_contracts_model",)
+_MUON = ("test_reference.py", "-k", "muon")
 _T36A_BPE = ("test_tokenizer.py::test_encodings_equal_hugging_face_tokenizers",
              "test_tokenizer.py::test_merge_table_that_refers_to_its_own_id_is_refused")
 
@@ -58,6 +59,33 @@ MUTANTS = [
      [("1.0 / math.sqrt(1.0 - beta2 ** step)", "1.0 / (1.0 - beta2 ** step)", 1)]),
     ("adamw weight decay 0.01", "nanoeuler.py", [("weight_decay=0.1,", "weight_decay=0.01,", 1)]),
     ("decay on norm weights", "pipeline.py", [("view[:] = 0.0 if view.ndim == 1 else 1.0", "view[:] = 1.0", 1)]),
+    # --optim muon (issue 34): its reference step and the test of which tensors it orthogonalises
+    ("muon skips Newton-Schulz", "nanoeuler.py",
+     [("* newton_schulz((1 - mu) * g + mu * m)", "* ((1 - mu) * g + mu * m)", 1)], _MUON),
+    ("muon ns coefficient c 2.0315 -> 2.315", "pipeline.py", [("(3.4445, -4.7750, 2.0315)", "(3.4445, -4.7750, 2.315)", 1)],
+     _MUON),
+    ("muon on the embedding too", "pipeline.py",
+     [('return [f"layers.{i}.{w}" for i', 'return ["tok_emb"] + [f"layers.{i}.{w}" for i', 1)], _MUON),
+    ("muon q|k|v and w1|w3 as fused matrices", "nanoeuler.py",
+     [("list(_thread_pool().map(matrix, self.matrices))", "fused(self, P, G, scale, mu, lr_muon)", 1),
+      ("class Muon(AdamW):", "def fused(opt, P, G, scale, mu, lr_muon):\n"
+       "    for i in range(P.cfg.n_layers):\n"
+       "        for first, last in (('wq', 'wv'), ('w1', 'w3')):\n"
+       "            f, l = f'layers.{i}.{first}', f'layers.{i}.{last}'\n"
+       "            g, m, p = G.rows(f, l) * scale, opt.m.rows(f, l), P.rows(f, l)\n"
+       "            m *= mu\n"
+       "            m += (1 - mu) * g\n"
+       "            p -= (lr_muon * pl.muon_scale(p.shape)) * newton_schulz((1 - mu) * g + mu * m)\n"
+       "        for w in ('wo', 'w2'):\n"
+       "            n = f'layers.{i}.{w}'\n"
+       "            g, m, p = G[n] * scale, opt.m[n], P[n]\n"
+       "            m *= mu\n"
+       "            m += (1 - mu) * g\n"
+       "            p -= (lr_muon * pl.muon_scale(p.shape)) * newton_schulz((1 - mu) * g + mu * m)\n\n\n"
+       "class Muon(AdamW):", 1)], _MUON),
+    ("muon without nesterov", "nanoeuler.py", [("newton_schulz((1 - mu) * g + mu * m)", "newton_schulz(m)", 1)], _MUON),
+    ("muon scale min(1, rows/cols)", "pipeline.py", [("max(1.0, shape[0] / shape[1])", "min(1.0, shape[0] / shape[1])", 1)],
+     _MUON),
     ("clip also scales small gradients up", "nanoeuler.py",
      [("scale = min(1.0, self.clip / (norm + 1e-6))", "scale = self.clip / (norm + 1e-6)", 1)]),
     ("clip at 2.0", "nanoeuler.py", [("clip=1.0):", "clip=2.0):", 1)]),

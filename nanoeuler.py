@@ -626,10 +626,55 @@ class AdamW:
         norm = grad_norm(G)
         scale = min(1.0, self.clip / (norm + 1e-6))
         self.step_count += 1
+        self.update(P, G, lr, scale)
+        return norm
+
+    def update(self, P, G, lr, scale):
         per_part(lambda i, part: adamw_step(P.flat[part], G.flat[part], self.m.flat[part], self.v.flat[part],
                                             self.mask[part], lr, self.beta1, self.beta2, self.eps, self.wd,
                                             self.step_count, scale), P.flat.size)
-        return norm
+
+
+def newton_schulz(U, steps=pl.MUON_NS_STEPS):
+    """Muon's orthogonalisation of a matrix U, in U's dtype (float64 in the checks, float32 in training):
+    X = U / (|U|_F + eps), then `steps` quintic iterations X <- a X + (b A + c A A) X with A = X X^T, on the
+    wide orientation (a tall U is transposed, so A is min(rows, cols) square), as nanochat's muon.py and
+    modded-nanogpt do (bf16 there and on this project's GPU; CONTRACT.md)."""
+    a, b, c = pl.MUON_NS_COEFFS
+    tall = U.shape[0] > U.shape[1]
+    X = U.T if tall else U
+    X = X / U.dtype.type(math.sqrt(_sum_squares(U.ravel())) + pl.MUON_NS_EPS)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.T if tall else X
+
+
+class Muon(AdamW):
+    """--optim muon: Muon on the blocks' matrices, AdamW (this class's parent: its clip of the whole gradient,
+    moments and bias corrections) on the rest. A matrix's momentum buffer lives in self.m at the matrix's place
+    (so the checkpoint's adam_m holds it; self.v stays 0 there). Per matrix (nanochat's muon.py):
+    m <- mu m + (1 - mu) g; u = (1 - mu) g + mu m (Nesterov); p <- p - lr_muon * max(1, rows/cols)^0.5 *
+    newton_schulz(u), no weight decay. lr_muon = lr * muon_ratio: the matrices follow AdamW's schedule."""
+
+    def __init__(self, P, muon_ratio, momentum=pl.MUON_MOMENTUM, **kw):
+        super().__init__(P, 0.0, **kw)
+        self.muon_ratio, self.momentum = muon_ratio, momentum
+        self.ranges = pl.adamw_ranges(P.cfg, "muon")
+        self.matrices = pl.muon_matrices(P.cfg)
+
+    def update(self, P, G, lr, scale):
+        for a, b in self.ranges:
+            adamw_step(P.flat[a:b], G.flat[a:b], self.m.flat[a:b], self.v.flat[a:b], self.mask[a:b], lr, self.beta1,
+                       self.beta2, self.eps, self.wd, self.step_count, scale)
+        mu, lr_muon = self.momentum, lr * self.muon_ratio
+
+        def matrix(name):                              # one matrix; BLAS and the Numba sum release the GIL
+            g, m, p = G[name] * scale, self.m[name], P[name]
+            m *= mu
+            m += (1 - mu) * g
+            p -= (lr_muon * pl.muon_scale(p.shape)) * newton_schulz((1 - mu) * g + mu * m)
+        list(_thread_pool().map(matrix, self.matrices))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1107,8 +1152,10 @@ class Trainer:
     The GPU engine has a class with the same methods whose steps run ahead of the host."""
     sync_every_step = True
 
-    def __init__(self, P, state=None):
-        self.P, self.opt, self.pending = P, AdamW(P, 0.0), []
+    def __init__(self, P, state=None, args=None):
+        """args: the run's (optim, lr, muon_lr); None: AdamW (SFT, DPO, bench)."""
+        muon = args is not None and args["optim"] == "muon"
+        self.P, self.opt, self.pending = P, Muon(P, args["muon_lr"] / args["lr"]) if muon else AdamW(P, 0.0), []
         self.grads = []                                  # one gradient buffer per shard (loss_and_grads)
         if state is not None:
             self.opt.m.flat[:], self.opt.v.flat[:] = state["adam_m"].flat, state["adam_v"].flat
@@ -1196,7 +1243,7 @@ def cmd_train(argv, mode="train"):
     if state is None:
         print("step 0: validating (the first run compiles the Numba kernels, ~10 s; cached after)", flush=True)
         print("step 0: val loss {:.4f}, val bpb {:.3f}".format(*val_fn()), flush=True)
-    pl.train_loop(Trainer(P, state), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
+    pl.train_loop(Trainer(P, state, args), tok, batches, args, a.out, val_fn, extra, start=state["step"] if state else 0,
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     loss, bpb = val_fn()
     print(f"final: val loss {loss:.4f} | val bpb {bpb:.3f} | {bpt:.2f} bytes/token")

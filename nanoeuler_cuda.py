@@ -24,7 +24,7 @@ Sections (each begins with a bar and the same number and name):
     2. training kernels: embedding, RMSNorm, RoPE, SwiGLU, cross-entropy, attention (fp32 flash,
        bf16 tensor-core flash, naive), each beside its launcher
     3. model: DeviceParams, Model (forward, backward)
-    4. optimiser: AdamW with its kernels
+    4. optimiser: AdamW and Muon (--optim muon) with their kernels
     5. training: Trainer, train and resume
     6. generation: the decode kernels by concern (products, cache attention, sampling, speculation)
        beside the Sampler that launches them
@@ -2516,7 +2516,7 @@ class Model:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 4. optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device, and its kernels
+# 4. optimiser: AdamW (nanoeuler.AdamW's update rule) with the moments on the device, Muon, and their kernels
 
 # --- optimiser: global gradient norm (float64 partial sums in a fixed order), then one fused AdamW
 #     launch over the flat buffer. Weight decay on matrices and the embedding only: the norm weights sit
@@ -2551,7 +2551,7 @@ template <bool WB>
 __device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
         float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm, i64 n,
         const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
-        float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off, int D) {
+        float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off, int D, int skip_matrices) {
     const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // global norm clipping
     const float lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];      // the step's, on the device: a graph replays
     i64 layers_end = layers_start + layer_size * n_layers;
@@ -2560,6 +2560,7 @@ __device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* _
         if (i >= layers_start && i < layers_end) {
             unsigned o = (unsigned)(i - layers_start) % (unsigned)layer_size;   // 32-bit: cheap
             if (o < D || (o >= ffn_off && o < ffn_off + D)) decay = 0.f;
+            else if (skip_matrices) continue;                            // --optim muon: Muon updates them
         } else if (i >= layers_end && i < layers_end + D) decay = 0.f;
         float gi = g[i] * gscale;
         float mi = beta1 * m[i] + (1.f - beta1) * gi;
@@ -2576,17 +2577,17 @@ extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict_
                                  float* __restrict__ v, const float* __restrict__ norm, i64 n,
                                  const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
                                  float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off,
-                                 int D) {
+                                 int D, int skip_matrices) {
     adamw_body<false>(p, g, m, v, nullptr, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                      layer_size, n_layers, ffn_off, D);
+                      layer_size, n_layers, ffn_off, D, skip_matrices);
 }
 extern "C" __global__ void adamw_bf16(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                                       float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm,
                                       i64 n, const float* __restrict__ hyper, float beta1, float beta2, float eps,
                                       float wd, float clip, i64 layers_start, i64 layer_size, int n_layers,
-                                      i64 ffn_off, int D) {
+                                      i64 ffn_off, int D, int skip_matrices) {
     adamw_body<true>(p, g, m, v, pb, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                     layer_size, n_layers, ffn_off, D);
+                     layer_size, n_layers, ffn_off, D, skip_matrices);
 }
 // the bf16 copy of fp32 weights (after an upload; AdamW keeps it current after that)
 extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict__ y, i64 n) {
@@ -2616,7 +2617,8 @@ class AdamW:
         self.nblk = 1024
         self.part = cp.zeros(self.nblk, np.float64)
         self.norm = cp.zeros(1, np.float32)
-        self.hyper = cp.zeros(3, np.float32)          # the step's lr, 1 - beta1^t, 1 - beta2^t (next_step)
+        self.hyper = cp.zeros(4, np.float32)          # the step's lr, 1 - beta1^t, 1 - beta2^t, Muon's lr (next_step)
+        self.muon_ratio, self.skip_matrices = 0.0, 0  # Muon's rate over lr; 1: the AdamW pass leaves the matrices
         off = P.offsets
         self.layers_start = off["layers.0.attn_norm"][0]
         self.layer_size = off["layers.1.attn_norm"][0] - self.layers_start if cfg.n_layers > 1 else \
@@ -2655,7 +2657,7 @@ class AdamW:
         that a captured step replays with each step's values. A copy on the current stream."""
         self.step_count += 1
         t = self.step_count
-        self.hyper.set(np.array([lr, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t], np.float32))
+        self.hyper.set(np.array([lr, 1.0 - self.beta1 ** t, 1.0 - self.beta2 ** t, lr * self.muon_ratio], np.float32))
 
     def apply(self):
         """The gradient norm and the update with the hyper-parameters on the device: capturable."""
@@ -2671,7 +2673,199 @@ class AdamW:
             (132 * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
                                         F32(self.eps), F32(self.wd), F32(self.clip),
                                         np.int64(self.layers_start - first), np.int64(self.layer_size),
-                                        I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim)))
+                                        I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim),
+                                        I32(self.skip_matrices)))
+
+
+# --- Muon (--optim muon, CONTRACT.md; nanoeuler.Muon's update rule): the blocks' matrices, each kind (wq of every
+#     layer, wk of every layer, ...) L matrices one layer's stride apart in the flat buffer. Per kind: the
+#     momentum and the partial sums of squares of the Nesterov mix u (muon_momentum), then X = u / (|u|_F + eps)
+#     in the wide orientation (a tall matrix transposed) into a batch of the kinds of one oriented shape
+#     (muon_x); five Newton-Schulz steps on that batch as strided-batched GEMMs, bf16 operands with fp32
+#     accumulation on the bf16 path (as nanochat's muon.py and modded-nanogpt run it), fp32 on the others; then
+#     p -= lr_muon * max(1, rows/cols)^0.5 * X (muon_apply, with the bf16 copy of the weights on the bf16
+#     path). A step X <- a X + (b A + c A^2) X with A = X X^T is three GEMMs and one elementwise pass:
+#     A = X X^T; Bm = c A A; Bm += b A + a I (muon_poly); X' = Bm X. Grid (MUON_PARTS, L): a block per part of
+#     one matrix, so each matrix's sum of squares is MUON_PARTS partial sums added in a fixed order. ---
+
+MUON_SRC = cuda_source("muon", ["muon_momentum", "muon_x_f32", "muon_x_bf16", "muon_poly_f32", "muon_poly_bf16",
+                                "muon_apply_f32", "muon_apply_bf16"], r"""
+// m <- mu m + (1 - mu) g' and the block's part of sum(u^2), u = (1 - mu) g' + mu m, g' the clipped gradient
+extern "C" __global__ void muon_momentum(const float* __restrict__ g, float* __restrict__ m,
+                                         const float* __restrict__ norm, float clip, float mu, i64 base,
+                                         i64 layer_size, int n, double* __restrict__ part) {
+    __shared__ double sh[32];
+    const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // AdamW's clip, the same expression
+    const i64 off = base + layer_size * blockIdx.y;
+    double acc = 0.0;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        float gi = g[off + e] * gscale;
+        float mi = mu * m[off + e] + (1.f - mu) * gi;
+        m[off + e] = mi;
+        float u = (1.f - mu) * gi + mu * mi;
+        acc += (double)u * u;
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh[w] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
+        part[(i64)blockIdx.y * gridDim.x + blockIdx.x] = s;
+    }
+}
+// X[l] = u / (sqrt(sum of the matrix's parts) + eps), u recomputed as muon_momentum made it (m already updated);
+// tr: X[l] is the transpose (cols x rows) of the rows x cols matrix
+template <typename T>
+__device__ __forceinline__ void muon_x_body(const float* __restrict__ g, const float* __restrict__ m,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const double* __restrict__ part, float eps, T* __restrict__ X) {
+    const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));
+    const i64 off = base + layer_size * blockIdx.y;
+    double s = 0.0;
+    for (int i = 0; i < (int)gridDim.x; i++) s += part[(i64)blockIdx.y * gridDim.x + i];
+    const float den = (float)(sqrt(s) + (double)eps);
+    const int n = rows * cols;
+    T* x = X + (i64)blockIdx.y * n;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        float u = (1.f - mu) * (g[off + e] * gscale) + mu * m[off + e];
+        int r = e / cols, c = e - r * cols;
+        stf(x + (tr ? (i64)c * rows + r : (i64)e), u / den);
+    }
+}
+extern "C" __global__ void muon_x_f32(const float* __restrict__ g, const float* __restrict__ m,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const double* __restrict__ part, float eps, float* __restrict__ X) {
+    muon_x_body<float>(g, m, norm, clip, mu, base, layer_size, rows, cols, tr, part, eps, X);
+}
+extern "C" __global__ void muon_x_bf16(const float* __restrict__ g, const float* __restrict__ m,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const double* __restrict__ part, float eps, bf16* __restrict__ X) {
+    muon_x_body<bf16>(g, m, norm, clip, mu, base, layer_size, rows, cols, tr, part, eps, X);
+}
+// Bm <- Bm + b A + a I over a batch of r x r matrices (Bm holds c A A)
+template <typename T>
+__device__ __forceinline__ void muon_poly_body(T* __restrict__ Bm, const T* __restrict__ A, int r, i64 total,
+                                               float a, float b) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        int j = (int)(i % ((i64)r * r));
+        stf(Bm + i, ldf(Bm + i) + b * ldf(A + i) + (j / r == j % r ? a : 0.f));
+    }
+}
+extern "C" __global__ void muon_poly_f32(float* __restrict__ Bm, const float* __restrict__ A, int r, i64 total,
+                                         float a, float b) {
+    muon_poly_body<float>(Bm, A, r, total, a, b);
+}
+extern "C" __global__ void muon_poly_bf16(bf16* __restrict__ Bm, const bf16* __restrict__ A, int r, i64 total,
+                                          float a, float b) {
+    muon_poly_body<bf16>(Bm, A, r, total, a, b);
+}
+// p -= lr_muon * scale * X[l] (transposed back where tr), lr_muon = hyper[3]; WB: the bf16 copy too
+template <typename T, bool WB>
+__device__ __forceinline__ void muon_apply_body(float* __restrict__ p, bf16* __restrict__ pb,
+        const T* __restrict__ X, const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows,
+        int cols, int tr) {
+    const float step = hyper[3] * scale;
+    const i64 off = base + layer_size * blockIdx.y;
+    const int n = rows * cols;
+    const T* x = X + (i64)blockIdx.y * n;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
+        int r = e / cols, c = e - r * cols;
+        float pi = p[off + e] - step * ldf(x + (tr ? (i64)c * rows + r : (i64)e));
+        p[off + e] = pi;
+        if (WB) pb[off + e] = f2bf(pi);
+    }
+}
+extern "C" __global__ void muon_apply_f32(float* __restrict__ p, const float* __restrict__ X,
+        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows, int cols, int tr) {
+    muon_apply_body<float, false>(p, nullptr, X, hyper, scale, base, layer_size, rows, cols, tr);
+}
+extern "C" __global__ void muon_apply_bf16(float* __restrict__ p, bf16* __restrict__ pb, const bf16* __restrict__ X,
+        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows, int cols, int tr) {
+    muon_apply_body<bf16, true>(p, pb, X, hyper, scale, base, layer_size, rows, cols, tr);
+}
+""")
+MUON_PARTS = 16     # blocks per matrix in the momentum, X and update passes (big's w1: 16 x 256 threads, 384 each)
+
+
+def bmm_ex(C, A, B, tb=False, alpha=1.0, beta=0.0):
+    """mm over a batch, C (nb, M, N) = alpha A @ op(B) + beta C per matrix, fp32 or bf16 (then fp32
+    accumulation), in one cublasGemmStridedBatchedEx through ctypes (capturable, as _gemm_ex), or one mm per
+    matrix where libcublas is not found."""
+    nb, M, N = C.shape
+    K = A.shape[2]
+    assert A.shape == (nb, M, K) and B.shape == ((nb, N, K) if tb else (nb, K, N)), (C.shape, A.shape, B.shape, tb)
+    assert A.dtype == B.dtype == C.dtype and A.flags.c_contiguous and B.flags.c_contiguous and C.flags.c_contiguous
+    lib = _blas_lib()
+    if lib is None:
+        for i in range(nb):
+            mm(C[i], A[i], B[i], tb=tb, alpha=alpha, beta=beta)
+        return
+    fn = lib.cublasGemmStridedBatchedEx
+    if fn.argtypes is None:
+        import ctypes
+        i, v, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+        fn.argtypes = [v, i, i, i, i, i, v, v, i, i, ll, v, i, i, ll, v, v, i, i, ll, i, i, i]
+    t = _data_type(C)
+    # row-major C = A op(B) is column-major C^T = op(B)^T A^T, as in mm
+    err = fn(_handle, int(tb), 0, N, M, K, _ptr(alpha), B.data.ptr, t, B.shape[2], B.shape[1] * B.shape[2],
+             A.data.ptr, t, K, M * K, _ptr(beta), C.data.ptr, t, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    if err:
+        raise RuntimeError(f"cublasGemmStridedBatchedEx failed with status {err}")
+
+
+class Muon(AdamW):
+    """--optim muon on the device: AdamW's pass (its clip, moments and decay) on the embedding, norms and heads,
+    then Muon on the blocks' matrices (the kernels above), their momentum in self.m at their places, as the CPU
+    engine keeps it. Its lr is the AdamW lr times muon_ratio, on the device (hyper[3]): a graph replays it."""
+
+    def __init__(self, P, G, muon_ratio, Pb=None, momentum=pl.MUON_MOMENTUM):
+        super().__init__(P, G, Pb=Pb)
+        self.muon_ratio, self.skip_matrices, self.momentum = muon_ratio, 1, momentum
+        L, dt = P.cfg.n_layers, BF if Pb is not None else np.float32
+        groups = {}                                   # oriented shape (r <= c) -> [(base, rows, cols, tall)]
+        for w in pl.MUON_MATRICES:
+            base, _, (rows, cols) = P.offsets[f"layers.0.{w}"]
+            groups.setdefault((min(rows, cols), max(rows, cols)), []).append((base, rows, cols, rows > cols))
+        self.groups = list(groups.items())
+        most = max(len(k) * L * r * c for (r, c), k in self.groups)
+        gram = max(len(k) * L * r * r for (r, c), k in self.groups)
+        # one set of scratch for the groups in turn (big, bf16: 2 x 75.5M + 2 x 28.3M elements, 0.42 GB)
+        self.X, self.Xn, self.A, self.Bm = cp.empty(most, dt), cp.empty(most, dt), cp.empty(gram, dt), cp.empty(gram, dt)
+        self.sums = cp.zeros(max(len(k) for _, k in self.groups) * L * MUON_PARTS, np.float64)
+
+    def apply(self):
+        super().apply()                               # the norm, and AdamW on all but the block matrices
+        self.orthogonal_update()
+
+    def orthogonal_update(self):
+        L, bf, mu, clip = self.P.cfg.n_layers, self.Pb is not None, F32(self.momentum), F32(self.clip)
+        a, b, c = pl.MUON_NS_COEFFS
+        grid, stride = (MUON_PARTS, L), np.int64(self.layer_size)
+        for (r, n), kinds in self.groups:
+            nb = len(kinds) * L
+            X, Xn = self.X[:nb * r * n].reshape(nb, r, n), self.Xn[:nb * r * n].reshape(nb, r, n)
+            A, Bm = self.A[:nb * r * r].reshape(nb, r, r), self.Bm[:nb * r * r].reshape(nb, r, r)
+            for j, (base, rows, cols, tall) in enumerate(kinds):
+                part = self.sums[j * L * MUON_PARTS:]
+                _k("muon_momentum")(grid, (256,), (self.G.flat, self.m.flat, self.norm, clip, mu, np.int64(base),
+                                                   stride, I32(rows * cols), part))
+                _k("muon_x_bf16" if bf else "muon_x_f32")(
+                    grid, (256,), (self.G.flat, self.m.flat, self.norm, clip, mu, np.int64(base), stride, I32(rows),
+                                   I32(cols), I32(tall), part, F32(pl.MUON_NS_EPS), X[j * L:]))
+            for _ in range(pl.MUON_NS_STEPS):
+                bmm_ex(A, X, X, tb=True)                                 # A = X X^T
+                bmm_ex(Bm, A, A, alpha=c)                                # c A^2
+                _k("muon_poly_bf16" if bf else "muon_poly_f32")((min(132 * 8, _blocks(A.size)[0]),), (256,),
+                                                                (Bm, A, I32(r), np.int64(A.size), F32(a), F32(b)))
+                bmm_ex(Xn, Bm, X)                                        # (a I + b A + c A^2) X
+                X, Xn = Xn, X
+            for j, (base, rows, cols, tall) in enumerate(kinds):
+                head = (self.P.flat,) + ((self.Pb.flat,) if bf else ())
+                _k("muon_apply_bf16" if bf else "muon_apply_f32")(
+                    grid, (256,), head + (X[j * L:], self.hyper, F32(pl.muon_scale((rows, cols))), np.int64(base),
+                                          stride, I32(rows), I32(cols), I32(tall)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2799,16 +2993,18 @@ class Trainer:
         return self.model.P.download(), self.opt.m.download(), self.opt.v.download()
 
 
-def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None):
+def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=None, muon_ratio=None):
     """A device model of batch (B, T) holding the host Params P, its AdamW (resumed from state) and Trainer,
-    with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks."""
+    with accum micro-batches a step; group: a distributed.Group, to train with ZeRO-1 over its ranks;
+    muon_ratio: --optim muon (Muon's lr over AdamW's), else AdamW alone."""
     dp = None if group is None else _distributed().ZeRO(sys.modules[__name__], group, P.cfg, accum)
     model = Model(P.cfg, B, T, attn=attn, precision=precision, params=dp and dp.params())
     model.load(P)
     if dp is not None:
         dp.attach(model)
     G = model.G if accum == 1 or dp is not None else DeviceParams(P.cfg)   # one GPU adds micro-batches up in G
-    opt = AdamW(model.P, G, Pb=model.Pb, shard=dp and dp.S)
+    opt = (AdamW(model.P, G, Pb=model.Pb, shard=dp and dp.S) if muon_ratio is None else
+           Muon(model.P, G, muon_ratio, Pb=model.Pb))
     if state is not None:
         if dp is not None:
             dp.load_moments(opt, state["adam_m"], state["adam_v"])
@@ -2820,6 +3016,8 @@ def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=Non
     return Trainer(model, opt, accum, dp)
 
 
+MUON_ZERO = ("--optim muon trains on one GPU: ZeRO-1 (--gpus N) shards AdamW's moments, and Muon's orthogonalisation "
+             "needs whole matrices; drop --gpus or use --optim adamw")
 PRECISION_WORDS = {"bf16": "bf16 mixed precision (fp32 master weights), bf16 tensor-core flash attention",
                    "tf32": "fp32 storage, TF32 matmuls", "fp32": "fp32, TF32 off"}
 
@@ -2836,6 +3034,8 @@ def cmd_train(argv, resume):
     distributed.add_gpus_flag(p)
     a = p.parse_args(argv)
     a.config, resume = pl.config_arg(a), resume or a.resume
+    if a.optim == "muon" and (a.gpus or 1) > 1:
+        raise UserError(MUON_ZERO)
     if distributed.launching(a.gpus):               # --gpus N: N ranks of this same command, one per GPU
         return distributed.launch(a.gpus, [sys.executable, os.path.abspath(__file__),
                                            "resume" if resume else "train", *argv])
@@ -2851,6 +3051,8 @@ def train(a, defaults, resume, group=None):
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
     with _distributed().rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
         P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
+    if args["optim"] == "muon" and group is not None:
+        raise UserError(MUON_ZERO)
     B, T, A = args["batch"], args["seq"], args["grad_accum"]
     if state is not None and "precision" not in state["train"] and a.precision is None:
         args["precision"] = "tf32"                  # a run from before --precision trained in TF32: keep it
@@ -2858,12 +3060,15 @@ def train(a, defaults, resume, group=None):
     # only the default may fall back to tf32 where bf16 cannot run
     args["precision"] = check_precision(args["precision"], P.cfg, args["attn"],
                                         explicit=a.precision is not None or state is not None)
-    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group)
+    trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group,
+                           muon_ratio=args["muon_lr"] / args["lr"] if args["optim"] == "muon" else None)
     line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
             f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     if world * A > 1:
         line += (f"; global batch {world * A * B} sequences: {world} GPU(s) x {A} micro-batch(es) x {B}"
                  + (", ZeRO-1" if world > 1 else ""))
+    if args["optim"] == "muon":
+        line += f"; Muon (lr {args['muon_lr']:g}) on the block matrices, AdamW on the rest"
     print(line)
     batches = pl.Batches(tokens, A * B, T, seed=args["seed"], rank=rank, world=world)
     if state is not None:
@@ -4661,6 +4866,7 @@ def selftest_checks(rng):
     R += selftest_generation(rng, randn, tol)
     R += selftest_decoder(rng)
     R += selftest_adamw(rng, randn, tol)
+    R += selftest_muon(rng, randn)
     # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
     M, Nn, Kk = 96, 80, 1000
     errs = {}
@@ -4994,6 +5200,7 @@ def selftest_checks_bf16(rng):
         R.append((f"{tag} rerun bit mismatches", float(sum(np.count_nonzero(a.view(np.uint16) != b.view(np.uint16))
                                                            for a, b in zip(runs[0], runs[1]))), 0))
     R += selftest_adamw(rng, randn, T32, bf16=True)
+    R += selftest_muon(rng, randn, bf16=True)
     return R
 
 
@@ -5020,6 +5227,42 @@ def selftest_adamw(rng, randn, tol, bf16=False):
     return [("grad norm (float64 partials)", rel_err(opt.norm, [norm]), tol),
             ("adamw (clip, decay mask) params", rel_err(Pd.flat - _d(p), pr - p), 1e-4),
             ("adamw moments m, v", max(rel_err(opt.m.flat, mr), rel_err(opt.v.flat, vr)), tol)]
+
+
+def selftest_muon(rng, randn, bf16=False):
+    """One --optim muon step on the tiny config's layout (clipped, from random momenta) against the CPU engine's
+    nanoeuler.Muon in float64 on the same float32 inputs. The momentum is elementwise: 1e-6. The Newton-Schulz
+    output is not: five quintic steps amplify each step's rounding (the slope at 0 is 3.4445), so fp32 lands at
+    1-3e-6 of float64 (numpy float32 on tiny's shapes, 200 seeds: at most 3.0e-6): 1e-5; bf16 operands, as
+    training runs them, at up to 5.4e-2 (a float64 emulation of this path's roundings, same seeds): 1e-1."""
+    cfg, f32 = pl.CONFIGS["tiny"], lambda a: a.astype(np.float32).astype(np.float64)
+    n = pl.num_params(cfg)
+    # weights of the init's size, so the float32 rounding of p - step stays far below the step
+    p, gr, m, v = f32(randn(n) * 0.02), f32(randn(n) * 0.05), f32(randn(n) * 0.01), f32(rng.random(n) * 1e-3)
+    Pd, Gd, Pbd = DeviceParams(cfg, _d(p)), DeviceParams(cfg, _d(gr)), DeviceParams(cfg, _nanb(n)) if bf16 else None
+    opt = Muon(Pd, Gd, 10.0, Pb=Pbd)
+    opt.m.flat[...], opt.v.flat[...] = _d(m), _d(v)
+    opt.step_count = 2
+    opt.step(1e-3)
+    ne = cpu_reference()
+    Pr = pl.Params(cfg, np.float64, p.copy())
+    ref = ne.Muon(Pr, 10.0)
+    ref.m.flat[:], ref.v.flat[:], ref.step_count = m, v, 2
+    ref.step(Pr, pl.Params(cfg, np.float64, gr), 1e-3)
+    mat = np.zeros(n, bool)
+    for name in pl.muon_matrices(cfg):
+        mat[slice(*Pr.offsets[name])] = True
+    step, ref_step = cp.asnumpy(Pd.flat - _d(p)), Pr.flat - p
+    rows = [("muon + bf16 copy: matrices (bf16 Newton-Schulz)" if bf16 else "muon: matrices (fp32 Newton-Schulz)",
+             rel_err(step[mat], ref_step[mat]), 1e-1 if bf16 else 1e-5),
+            ("muon: adamw on embedding, norms, heads", rel_err(step[~mat], ref_step[~mat]), 1e-4)]
+    if bf16:
+        return rows + [("  its bf16 copy (bits vs rounding the fp32 result)",
+                        float(np.count_nonzero(cp.asnumpy(Pbd.flat) != bf16_bits(cp.asnumpy(Pd.flat)))), 0)]
+    return rows + [("muon momentum (matrices), adam m, v (the rest)",
+                    max(rel_err(cp.asnumpy(opt.m.flat)[mat], ref.m.flat[mat]),
+                        rel_err(cp.asnumpy(opt.m.flat)[~mat], ref.m.flat[~mat]),
+                        rel_err(opt.v.flat, ref.v.flat)), 1e-6)]
 
 
 def print_table(rows, head=("check", "max rel err", "tol", "")):

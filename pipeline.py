@@ -186,6 +186,44 @@ def decay_mask(cfg, dtype=np.float32):
     return mask.flat
 
 
+# --optim muon (CONTRACT.md "Optimiser and schedule"): the blocks' matrices take Muon's update, each matrix on its
+# own (q, k, v, w1 and w3 are separate tensors of the layout), everything else AdamW. Muon's constants are those
+# of Keller Jordan's Muon (github.com/KellerJordan/modded-nanogpt) and nanochat's nanochat/muon.py: Nesterov
+# momentum 0.95, 5 steps of the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T, with their
+# (a, b, c), X first divided by its Frobenius norm + 1e-7.
+OPTIMS = ("adamw", "muon")
+MUON_MATRICES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+MUON_MOMENTUM, MUON_NS_STEPS, MUON_NS_COEFFS, MUON_NS_EPS = 0.95, 5, (3.4445, -4.7750, 2.0315), 1e-7
+
+
+def muon_matrices(cfg):
+    """The names of the matrices that Muon trains, in the layout's order."""
+    return [f"layers.{i}.{w}" for i in range(cfg.n_layers) for w in MUON_MATRICES]
+
+
+def muon_scale(shape):
+    """The factor of Muon's orthogonalised update, max(1, rows / cols)^0.5 (nanochat's muon.py), so that a
+    tall matrix's update has the per-entry size of a square one's."""
+    return max(1.0, shape[0] / shape[1]) ** 0.5
+
+
+def adamw_ranges(cfg, optim):
+    """The (start, end) ranges of the flat layout that AdamW updates: all of it, or under Muon what the block
+    matrices leave (the embedding, the norm weights, the heads)."""
+    if optim == "adamw":
+        return [(0, num_params(cfg))]
+    muon, ranges, off = set(muon_matrices(cfg)), [], 0
+    for name, shape in param_shapes(cfg):
+        n = int(np.prod(shape))
+        if name not in muon:
+            if ranges and ranges[-1][1] == off:
+                ranges[-1] = (ranges[-1][0], off + n)
+            else:
+                ranges.append((off, off + n))
+        off += n
+    return ranges
+
+
 def model_flops_per_token(cfg, T):
     """Training FLOPs per token: 6 per matrix weight (forward + backward) plus attention's score and value
     products (6 * 2 * T * D per layer: the full T x T products, as usual, though causal kernels skip
@@ -1341,7 +1379,7 @@ def print_sample(tok, generate_fn, prompt, n, seed=0):
 # steps (~5 epochs) and climbs after; longer runs pay on larger corpora (--steps).
 TRAIN_DEFAULTS = dict(config="small", steps=1000, batch=8, seq=256, lr=3e-3, warmup=100, eval_every=100,
                       sample_every=500, ckpt_every=500, log_every=50, seed=0, stop_after=0, data=None, grad_accum=1,
-                      ckpt_minutes=10.0)
+                      ckpt_minutes=10.0, optim="adamw", muon_lr=0.02)
 
 # Fine-tuning defaults. SFT: the steps both engines share, and per engine the batch, longest example and
 # rate (the GPU's larger batches and longer examples take a lower rate). DPO: the same on both engines.
@@ -1382,6 +1420,10 @@ def start_run(a, defaults, resume):
             raise UserError(f"{ckpt_path} is a run of config {name}, not {given['config']}; resume without a config "
                             "or start a new run in another --out")
         args = {**defaults, **run, **given, "stop_after": given.get("stop_after", 0), "config": name}
+        optim = run.get("optim", "adamw")              # a run from before --optim trained with AdamW
+        if args["optim"] != optim:
+            raise UserError(f"--optim {args['optim']}: the run in {a.out} trains with {optim}, whose state its "
+                            f"checkpoint holds; resume with --optim {optim}, or start a new run in another --out")
         shape = ("batch", "seq", "grad_accum")      # what each step sees: a resume continues the run exactly
         changed = [f"--{k.replace('_', '-')} {args[k]}" for k in shape if args[k] != run.get(k, defaults[k])]
         if changed:
@@ -1401,8 +1443,9 @@ def start_run(a, defaults, resume):
         args, state, extra = {**defaults, **given}, None, {"kind": "base"}
         args["schedule_steps"] = args["steps"]
     check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every", "grad_accum")
-    if not 0 < args["lr"] < math.inf:
-        raise UserError(f"--lr {args['lr']}: give a positive, finite learning rate")
+    for name in ("lr", "muon_lr"):
+        if not 0 < args[name] < math.inf:
+            raise UserError(f"--{name.replace('_', '-')} {args[name]}: give a positive, finite learning rate")
     if args["warmup"] < 0:
         raise UserError(f"--warmup {args['warmup']}: give --warmup at least 0 (steps)")
     if not 0 <= args["ckpt_minutes"] < math.inf:
@@ -1534,6 +1577,11 @@ def add_train_flags(p, out, defaults, lr_note=""):
     for name, text in helps.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(d[name]), metavar="X" if name == "lr" else "N",
                        help=f"{text} (default {d[name]}{lr_note if name == 'lr' else ''})")
+    p.add_argument("--optim", choices=OPTIMS, help="adamw: AdamW on every tensor; muon: Muon on the blocks' matrices "
+                   "at --muon-lr, AdamW at --lr on the embedding, norms and heads (CONTRACT.md; a resume keeps the "
+                   f"run's) (default {d['optim']})")
+    p.add_argument("--muon-lr", dest="muon_lr", type=float, metavar="X",
+                   help=f"Muon's peak learning rate, on the schedule of --lr (default {d['muon_lr']})")
     p.add_argument("--stop-after", dest="stop_after", type=int, metavar="N",
                    help="stop (and checkpoint) after N steps of this run")
     p.add_argument("--out", default=out, help=f"folder for ckpt.npz and train_log.jsonl (default {out})")

@@ -453,6 +453,8 @@ def _cli_cases(d):
         ("resume nothing", ["resume", "--out", j("nothing")], ["checkpoint not found"]),
         ("resume a chat checkpoint", ["resume", "--out", j("base")], ["no training state"]),
         ("resume other tokenizer", ["resume", "--out", j("run"), "--data", j("b.txt")], ["tokenizer differs"]),
+        ("resume with the other optimiser", ["resume", "--out", j("run"), "--optim", "muon"],
+         ["--optim muon", "trains with adamw"]),
         ("checkpoint lacks a tensor", ["sample", "--ckpt", lacking], ["lacks tensor layers.1.wq"]),
         ("checkpoint holds NaN", ["sample", "--ckpt", nan], ["NaN", "nan.npz"]),
         ("checkpoint tokenizer > vocab", ["sample", "--ckpt", bigtok], ["tokenizer has 400 tokens", "300"]),
@@ -494,6 +496,8 @@ def _cli_cases(d):
         ("GPU bench --json a folder", ["nanoeuler_cuda.py", "bench", "--json", j("sft")], ["--json", "is a folder"]),
         ("GPU bench --json in /proc", ["nanoeuler_cuda.py", "bench", "--json", "/proc/b.json"],
          ["--json /proc/b.json cannot be written"]),
+        ("GPU muon on several GPUs", ["nanoeuler_cuda.py", "train", "--optim", "muon", "--gpus", 2],
+         ["--optim muon trains on one GPU", "--gpus"]),
     ]
 
 

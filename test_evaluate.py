@@ -304,3 +304,36 @@ def test_report_tokens_sum_steps_of_unequal_size(tmp_path):
     _write_log(tmp_path, [dict(step=1, tokens=16), dict(step=2, tokens=16), dict(step=3, tokens=48)])
     path = evaluate.write_report(str(tmp_path), {"seq": 16, "config": "tiny"}, pl.get_config("tiny"), 4.0, 2.0, "s")
     assert re.search(r"- tokens seen: 80\b", open(path, encoding="utf-8").read())
+
+
+def test_time_to_loss_table_from_hand_made_logs(tmp_path):
+    """bench/time_to_loss.py (issue 34's table): the target is the best AdamW run's final validation loss; a run
+    reaches it at its first validation at or below it; wall time sums the steps' ms, the first 5 (compilation)
+    counted at the run's median; ratios are against that AdamW run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("time_to_loss", ROOT / "bench" / "time_to_loss.py")
+    ttl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ttl)
+
+    def run(name, optim, lr, vals):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "train_log.jsonl", "w") as f:
+            for s in range(1, 11):                   # steps 1-2 compile (1 s each), then 10 ms; 20 ms for Muon
+                rec = {"step": s, "loss": 5.0, "ms": 1000.0 if s <= 2 else 10.0 * (1 + (optim == "muon")),
+                       "tokens": 8}
+                if s in vals:
+                    rec.update(val_loss=vals[s], val_bpb=vals[s] / 2)
+                f.write(json.dumps(rec) + "\n")
+        np.savez(d / "ckpt.npz", train_state=np.array(json.dumps({"train": {"optim": optim, "lr": lr, "muon_lr": 0.02}})))
+        return str(d)
+    runs = [run("a1", "adamw", 1e-3, {5: 4.0, 10: 3.0}), run("a2", "adamw", 2e-3, {5: 2.0, 10: 3.5}),
+            run("m", "muon", 1e-3, {5: 2.9, 10: 2.5}), run("m2", "muon", 1e-3, {5: 3.1, 10: 3.01})]
+    lines, verdict = ttl.table([ttl.run_info(d) for d in runs])
+    assert lines[0].startswith("target: 3.0000, the final validation loss of a1 (AdamW, lr 0.001)")
+    rows = {l.split(" | ")[0][2:]: l for l in lines[4:]}
+    assert rows["a1"].endswith("| 3.0000 | 1.5000 | 10.0 | 10 | 0.10 | 1.00 | 1.00 |")
+    assert rows["a2"].endswith("| 5 | 0.05 | 0.50 | 0.50 |")          # a validation at or below counts
+    assert rows["m"].startswith("| m | muon | 0.02 | 2.5000") and rows["m"].endswith("| 5 | 0.10 | 0.50 | 1.00 |")
+    assert rows["m2"].endswith("not reached | - | - | - |")
+    assert verdict.startswith("best Muon run m: 0.50 of the steps and 1.00 of the wall time") and "NOT met" in verdict

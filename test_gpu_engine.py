@@ -36,7 +36,7 @@ def test_every_kernel_compiles_with_nvrtc():
     assert not bad, bad
     # the kernel registry (each source declared with its kernels' names) against the sources' own text
     defined = [(name, mod) for mod, code in nc.SOURCES.items() for name in nc.kernel_names(code)]
-    assert len(defined) == len(nc.KERNELS) == 99 and dict(defined) == nc.KERNELS
+    assert len(defined) == len(nc.KERNELS) == 106 and dict(defined) == nc.KERNELS
 
 
 def test_cuda_sources_take_the_rmsnorm_eps_from_pipeline():
@@ -108,18 +108,34 @@ def test_gradcheck_passes():
     assert "gradient check: PASS" in r.stdout
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [False, True])
+def test_muon_step_matches_the_cpu_engine(bf16):
+    """One --optim muon step on the device against nanoeuler.Muon in float64 (the self-test's rows: fp32
+    Newton-Schulz to 1e-5, bf16 to 1e-1, momentum to 1e-6; selftest_muon says why)."""
+    nc.gpu()
+    nc.set_tf32(False)
+    rng = np.random.default_rng(34)
+    rows = nc.selftest_muon(rng, lambda *s: rng.standard_normal(s), bf16=bf16)
+    assert all(err <= tol for _, err, tol in rows), rows
+
+
 SMALL = ["--config", "small", "--batch", "4", "--seq", "128", "--log-every", "1", "--eval-every", "4",
          "--warmup", "2", "--lr", "3e-3"]
 
 
 @pytest.mark.gpu
-def test_resume_continues_the_run_exactly(tmp_path):
-    """t for 8 steps == t stopped after 4 + tr for the rest: bit-identical weights and moments."""
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resume_continues_the_run_exactly(tmp_path, optim):
+    """t for 8 steps == t stopped after 4 + tr for the rest: bit-identical weights and moments (Muon's momentum
+    in adam_m), with either optimiser; a resume that names the other is refused."""
     a, b = tmp_path / "a", tmp_path / "b"
-    r = run_gpu("t", *SMALL, "--steps", 8, "--out", a)
+    r = run_gpu("t", *SMALL, "--optim", optim, "--steps", 8, "--out", a)
     assert r.returncode == 0, r.stderr
-    r = run_gpu("t", *SMALL, "--steps", 8, "--stop-after", 4, "--out", b)
+    r = run_gpu("t", *SMALL, "--optim", optim, "--steps", 8, "--stop-after", 4, "--out", b)
     assert r.returncode == 0, r.stderr
+    other = {"adamw": "muon", "muon": "adamw"}[optim]
+    assert one_error_line(run_gpu("tr", "--out", b, "--optim", other), f"trains with {optim}")
     r = run_gpu("tr", "--out", b)
     assert r.returncode == 0, r.stderr
     za, zb = np.load(a / "ckpt.npz"), np.load(b / "ckpt.npz")

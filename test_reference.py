@@ -149,6 +149,44 @@ class RefAdamW:
         return norm
 
 
+def ref_orthogonalise(U, steps=5):
+    """Newton-Schulz as Keller Jordan's Muon (github.com/KellerJordan/modded-nanogpt) and nanochat's muon.py
+    write it: U over its Frobenius norm (+1e-7), then 5 steps X <- 3.4445 X - 4.7750 (X X^T) X + 2.0315 (X X^T)^2 X,
+    on U^T when U has more rows than columns."""
+    X = U.T if U.shape[0] > U.shape[1] else U
+    X = X / (np.linalg.norm(X) + 1e-7)
+    for _ in range(steps):
+        S = X @ X.T
+        X = 3.4445 * X - 4.7750 * S @ X + 2.0315 * S @ S @ X
+    return X.T if U.shape[0] > U.shape[1] else X
+
+
+class RefMuon(RefAdamW):
+    """CONTRACT.md's --optim muon: Muon (Nesterov momentum 0.95, orthogonalised, times max(1, rows/cols)^0.5, no
+    decay) on each of a block's wq, wk, wv, wo, w1, w3, w2 at lr_muon; RefAdamW's step on every other tensor."""
+
+    def __init__(self, W, muon_ratio):
+        super().__init__(W)
+        self.muon_ratio = muon_ratio
+        self.matrices = {n for n in W if n.startswith("layers.") and n.split(".")[-1] in
+                         ("wq", "wk", "wv", "wo", "w1", "w3", "w2")}
+
+    def step(self, W, grads, lr):
+        norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+        coef = min(1.0, self.max_norm / (norm + 1e-6))
+        rest = {n: p for n, p in W.items() if n not in self.matrices}
+        adam = RefAdamW.__new__(RefAdamW)
+        adam.__dict__.update(self.__dict__, max_norm=math.inf)          # the clip is applied below, once
+        RefAdamW.step(adam, rest, {n: grads[n] * coef for n in rest}, lr)
+        self.t = adam.t
+        for n in self.matrices:
+            g = grads[n] * coef
+            self.m[n] = 0.95 * self.m[n] + 0.05 * g
+            rows, cols = W[n].shape
+            W[n] -= lr * self.muon_ratio * max(1.0, rows / cols) ** 0.5 * ref_orthogonalise(0.05 * g + 0.95 * self.m[n])
+        return norm
+
+
 # ====================================================================================================
 # the model against the reference
 
@@ -344,6 +382,71 @@ def test_a_nan_step_changes_nothing():
     trainer.step(x, x, 1e-2)
     assert not math.isfinite(trainer.results()[0][0])
     assert np.array_equal(P.flat, before) and trainer.opt.step_count == 0 and not trainer.opt.m.flat.any()
+
+
+def _muon_step_inputs(seed=0):
+    """Tiny's float64 weights, a gradient of norm > 1 (so the step clips), random moments, as after two steps."""
+    rng = np.random.default_rng(seed)
+    W = random_weights(TINY, seed)
+    G = {n: rng.standard_normal(a.shape) * 0.2 for n, a in W.items()}
+    M = {n: rng.standard_normal(a.shape) * 0.01 for n, a in W.items()}
+    V = {n: rng.random(a.shape) * 1e-3 for n, a in W.items()}
+    return W, G, M, V
+
+
+def _engine_muon_step(W, G, M, V, lr, ratio):
+    P = to_params(W, TINY)
+    opt = ne.Muon(P, ratio)
+    for n in W:
+        opt.m[n][:], opt.v[n][:] = M[n], V[n]
+    opt.step_count = 2
+    norm = opt.step(P, to_params(G, TINY), lr)
+    return P, opt, norm
+
+
+def test_one_muon_step_matches_the_reference():
+    """--optim muon's step on the CPU engine in float64 (clip, AdamW on the embedding, norms and heads, Muon on
+    each block matrix, momenta) equals RefMuon's to 1e-12 relative, tensor by tensor."""
+    W, G, M, V = _muon_step_inputs()
+    P, opt, norm = _engine_muon_step(W, G, M, V, 3e-3, 0.02 / 3e-3)
+    ref = RefMuon({n: a.copy() for n, a in W.items()}, 0.02 / 3e-3)
+    ref.m, ref.v, ref.t = {n: a.copy() for n, a in M.items()}, {n: a.copy() for n, a in V.items()}, 2
+    Wr = {n: a.copy() for n, a in W.items()}
+    assert ref.step(Wr, G, 3e-3) == pytest.approx(norm, rel=1e-12) and norm > 1
+    for n in W:
+        step, ref_step = P[n] - W[n], Wr[n] - W[n]
+        assert np.abs(step - ref_step).max() <= 1e-12 * np.abs(ref_step).max(), n
+        assert np.abs(opt.m[n] - ref.m[n]).max() <= 1e-12 * np.abs(ref.m[n]).max(), n
+
+
+def test_muon_orthogonalises_each_block_matrix_and_nothing_else():
+    """Each block matrix moves by lr_muon * max(1, rows/cols)^0.5 times a matrix whose singular values lie in
+    Newton-Schulz's band around 1 (0.6 .. 1.2 after 5 steps), though its momentum's are ~1e-5: not if the
+    orthogonalisation were skipped, nor if q|k|v or w1|w3 went through it as one matrix (each block's share of
+    an orthogonal stack has singular values below 1). The embedding, the heads and the norm weights move by
+    AdamW's step, which is not orthogonal."""
+    W, G, M, V = _muon_step_inputs(1)
+    rng = np.random.default_rng(2)
+    for n, g in G.items():                  # no clipping; each block matrix's gradient of singular values 1e-4 .. 5e-4
+        if n.startswith("layers.") and g.ndim == 2:
+            U, _, Vt = np.linalg.svd(rng.standard_normal(g.shape), full_matrices=False)
+            G[n] = U * rng.uniform(1e-4, 5e-4, min(g.shape)) @ Vt
+            M[n] = np.zeros_like(g)         # the Nesterov mix 0.05 g + 0.95 (0.05 g) keeps them so
+        else:
+            G[n] = g * 1e-3
+    lr, ratio = 1e-3, 10.0
+    P, _, _ = _engine_muon_step(W, G, M, V, lr, ratio)
+    for n in W:
+        step = W[n] - P[n]
+        if n.startswith("layers.") and W[n].ndim == 2:
+            rows, cols = W[n].shape
+            sv = np.linalg.svd(step / (lr * ratio * max(1.0, rows / cols) ** 0.5), compute_uv=False)
+            assert 0.6 < sv.min() and sv.max() < 1.2, (n, sv.min(), sv.max())
+        else:
+            m = 0.9 * M[n] + 0.1 * G[n]
+            v = 0.95 * V[n] + 0.05 * G[n] ** 2
+            want = lr * (m / (1 - 0.9 ** 3)) / (np.sqrt(v / (1 - 0.95 ** 3)) + 1e-8) + lr * 0.1 * (W[n].ndim == 2) * W[n]
+            assert np.abs(step - want).max() <= 1e-9 * np.abs(want).max(), n     # p - (p - step): p's rounding
 
 
 # ====================================================================================================
@@ -577,24 +680,33 @@ def test_a_process_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert np.array_equal(pl.load_checkpoint(str(path))[0].flat, P.flat)
 
 
-def test_checkpoint_round_trip_resumes_the_same_run(tmp_path):
-    """Weights, both Adam moments, the step and the data position come back exactly, so a Trainer and
-    Batches built from the file (with another seed) continue as the original would."""
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_checkpoint_round_trip_resumes_the_same_run(tmp_path, optim):
+    """Weights, both Adam moments (under Muon: the matrices' momentum in adam_m), the step and the data position
+    come back exactly, so a Trainer and Batches built from the file (with another seed) continue as the original
+    would; a resume that names the other optimiser is refused."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 257, 3000).astype(np.uint16)
     P = pl.Params.init(TINY, 0)
-    trainer, batches = ne.Trainer(P), pl.Batches(tokens, 2, 16, seed=5)
+    run = {"steps": 6, "config": "tiny", "optim": optim, "lr": 1e-3, "muon_lr": 0.02}
+    trainer, batches = ne.Trainer(P, None, run), pl.Batches(tokens, 2, 16, seed=5)
+    assert isinstance(trainer.opt, ne.Muon) == (optim == "muon")
     for s in range(3):
         trainer.step(*batches.next(), 1e-3 * (s + 1))
     path = str(tmp_path / "ckpt.npz")
     pl.save_checkpoint(path, P, bpe.Tokenizer([]), {"step": 3, "adam_m": trainer.opt.m, "adam_v": trainer.opt.v,
-                                                    "data": batches.state(), "train": {"steps": 6}})
+                                                    "data": batches.state(), "train": run})
     P2, _, state, _ = pl.load_checkpoint(path, want_state=True)
-    assert np.array_equal(P2.flat, P.flat) and state["step"] == 3 and state["train"] == {"steps": 6}
+    assert np.array_equal(P2.flat, P.flat) and state["step"] == 3 and state["train"] == run
     assert np.array_equal(state["adam_m"].flat, trainer.opt.m.flat) and np.abs(state["adam_m"].flat).max() > 0
     assert np.array_equal(state["adam_v"].flat, trainer.opt.v.flat) and not np.array_equal(
         state["adam_v"].flat, state["adam_m"].flat ** 2)
-    resumed, batches2 = ne.Trainer(P2, state), pl.Batches(tokens, 2, 16, seed=99)
+    p = pl.Parser()
+    pl.add_train_flags(p, "out", pl.TRAIN_DEFAULTS)
+    other = p.parse_args(["--out", str(tmp_path), "--optim", {"adamw": "muon", "muon": "adamw"}[optim]])
+    with pytest.raises(pl.UserError, match=f"trains with {optim}"):
+        pl.start_run(other, pl.TRAIN_DEFAULTS, resume=True)
+    resumed, batches2 = ne.Trainer(P2, state, state["train"]), pl.Batches(tokens, 2, 16, seed=99)
     batches2.set_state(state["data"])
     for s in range(3, 6):
         x, y = batches.next()
@@ -603,6 +715,7 @@ def test_checkpoint_round_trip_resumes_the_same_run(tmp_path):
         trainer.step(x, y, 1e-3 * (s + 1))
         resumed.step(x2, y2, 1e-3 * (s + 1))
     assert np.array_equal(P.flat, P2.flat) and np.array_equal(trainer.opt.v.flat, resumed.opt.v.flat)
+    assert np.array_equal(trainer.opt.m.flat, resumed.opt.m.flat)
 
 
 # ====================================================================================================

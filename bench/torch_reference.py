@@ -5,7 +5,11 @@ timed like nanoeuler_cuda.py's bench (steps back to back after warm-up, CUDA eve
 The product never imports it and the tests exclude it; it needs PyTorch with CUDA.
 
     python3 bench/torch_reference.py [CONFIG] [--batches 16,64] [--seq 512] [--steps 10] [--json FILE]
-                                     [--wait-for FILE]
+                                     [--wait-for FILE] [--mode default,reduce-overhead,max-autotune-no-cudagraphs]
+
+--mode: torch.compile's modes to time, each on a model of its own (default: default). reduce-overhead replays
+CUDA graphs (the step starts with cudagraph_mark_step_begin); max-autotune-no-cudagraphs autotunes the
+matrix products and Triton kernels without graphs (its compile takes minutes).
 
 --wait-for: compile and warm up every batch size first, print "compiled", then wait until FILE exists
 before the timed runs (so another program can use the GPU while torch.compile works on the CPU, and the
@@ -100,6 +104,32 @@ class GPT(nn.Module):
         return ces[0] + c.mtp_weight * torch.stack(ces[1:]).mean() if c.n_mtp > 1 else ces[0]
 
 
+MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def trainer(cfg, dev, mode, data):
+    """A fresh model, its fused AdamW and torch.compile(mode) -> step(B): one training step on data[B]."""
+    model = GPT(cfg).to(dev)
+    decay = [q for q in model.parameters() if q.ndim == 2]
+    no_decay = [q for q in model.parameters() if q.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    cmodel = torch.compile(model, mode=mode, dynamic=False)
+
+    def step(B):
+        x, y = data[B]
+        if mode == "reduce-overhead":                       # a new iteration: the last replay's outputs are done
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = cmodel(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[1])
     p.add_argument("config", nargs="?", default="big")
@@ -108,36 +138,29 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json")
     p.add_argument("--wait-for")
+    p.add_argument("--mode", default="default", help="torch.compile modes, comma-separated: " + ", ".join(MODES))
     a = p.parse_args()
+    modes = a.mode.split(",")
+    if not set(modes) <= set(MODES):
+        p.error(f"--mode {a.mode}: give some of {', '.join(MODES)}")
     cfg = pl.get_config(a.config)
     T, batches = a.seq, [int(b) for b in a.batches.split(",")]
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
+    for knob in ("cache_size_limit", "recompile_limit"):   # one compiled graph per (model, batch size)
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(8, 2 * len(modes) * len(batches)))
     dev = torch.device("cuda")
-    model = GPT(cfg).to(dev)
-    decay = [q for q in model.parameters() if q.ndim == 2]
-    no_decay = [q for q in model.parameters() if q.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    cmodel = torch.compile(model, dynamic=False)
     gen = torch.Generator(device=dev).manual_seed(0)
     data = {B: (torch.randint(0, cfg.vocab, (B, T), device=dev, generator=gen),
                 torch.randint(0, cfg.vocab, (B, T), device=dev, generator=gen)) for B in batches}
-
-    def step(B):
-        x, y = data[B]
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = cmodel(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    steps = {mode: trainer(cfg, dev, mode, data) for mode in modes}
 
     t0 = time.time()
-    for B in batches:                                       # compile (one graph per shape) and warm up
-        for _ in range(3):
-            step(B)
+    for mode in modes:                                      # compile (one graph per shape) and warm up
+        for B in batches:
+            for _ in range(3):
+                steps[mode](B)
     torch.cuda.synchronize()
     print(f"compiled: {time.time() - t0:.0f} s (torch {torch.__version__})", flush=True)
     if a.wait_for:
@@ -145,26 +168,30 @@ def main():
             time.sleep(0.5)
     fpt = pl.model_flops_per_token(cfg, T)
     rows = []
-    for B in batches:
-        for _ in range(2):
-            step(B)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(a.steps):
-            loss = step(B)
-        e.record()
-        e.synchronize()
-        ms = s.elapsed_time(e) / a.steps
-        rows.append(dict(B=B, T=T, ms=ms, tok_s=B * T / ms * 1e3, mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS,
-                         peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, loss=float(loss)))
+    for mode in modes:
+        for B in batches:
+            step = steps[mode]
+            for _ in range(2):
+                step(B)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(a.steps):
+                loss = step(B)
+            e.record()
+            e.synchronize()
+            ms = s.elapsed_time(e) / a.steps
+            rows.append(dict(mode=mode, B=B, T=T, ms=ms, tok_s=B * T / ms * 1e3,
+                             mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS,
+                             peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, loss=float(loss)))
     print(f"PyTorch {torch.__version__}: {a.config}, bf16 autocast + torch.compile + fused AdamW + SDPA (GQA), "
-          f"T={T}, {a.steps} steps after warm-up; MFU vs {PEAK_TFLOPS:.0f} TFLOP/s; peak = max_memory_allocated")
-    print(f"{'run':<30}{'ms/step':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}")
+          f"T={T}, {a.steps} steps after warm-up; MFU vs {PEAK_TFLOPS:.0f} TFLOP/s; peak = max_memory_allocated "
+          "(every mode's model is resident: later modes' peaks include the earlier models' weights and moments)")
+    print(f"{'run':<46}{'ms/step':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}")
     for r in rows:
-        print(f"{'torch bf16 B=' + str(r['B']):<30}{r['ms']:9.2f}{r['tok_s']:11,.0f}{100 * r['mfu']:6.1f}%"
-              f"{r['peak_gib']:10.2f}")
+        print(f"{'torch bf16 ' + r['mode'] + ' B=' + str(r['B']):<46}{r['ms']:9.2f}{r['tok_s']:11,.0f}"
+              f"{100 * r['mfu']:6.1f}%{r['peak_gib']:10.2f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(torch=torch.__version__, config=a.config, rows=rows), f, indent=1)
