@@ -71,6 +71,8 @@ PAGE = os.path.join(HERE, "chat.html")
 MAX_BODY = 1 << 20          # bytes of a request body
 MAX_STOPS = 4               # stop strings per request, as OpenAI allows
 POLL = 0.1                  # seconds between two looks at a waiting client's socket
+FLUSH = 0.02                # seconds at least between two writes of one stream: a busy batch's tokens
+                            # go out a few at a time, not one wake-up and one write per token each
 MAX_QUEUE = 256             # requests waiting for a row, by default; one more is answered 429
 KEY_ENV = "NANOEULER_API_KEY"   # the API key's environment variable (--api-key)
 
@@ -114,7 +116,8 @@ class Job:
     def put(self, event):
         with self.lock:
             self.events.append(event)
-            self.ready.set()
+            if not self.ready.is_set():
+                self.ready.set()
 
     def take(self, timeout):
         """Every event put since the last take (the connection's thread writes them at once), after waiting
@@ -546,8 +549,9 @@ class Handler(BaseHTTPRequestHandler):
     def events(self, job):
         """Lists of the job's events as they come, until its last; returns early, setting job.gone, when the
         client has closed its connection (the scheduler then drops the job, queued or running)."""
-        looked, left = time.monotonic(), job.n
+        looked, left, wrote = time.monotonic(), job.n, 0.0
         while True:
+            time.sleep(max(0.0, wrote + FLUSH - time.monotonic()))
             events = job.take(POLL)
             if not events or time.monotonic() - looked > POLL:
                 looked = time.monotonic()
@@ -556,6 +560,7 @@ class Handler(BaseHTTPRequestHandler):
                     return
             if events:
                 yield events
+                wrote = time.monotonic()
                 left -= sum(ev[0] == "done" for ev in events)
                 if left == 0 or events[-1][0] == "error":
                     return
