@@ -281,6 +281,8 @@ class StopScan:
 
     def feed(self, piece):
         """-> (text to send, stopped)."""
+        if not self.stops:                               # (the common case, once per token)
+            return piece, False
         self.text += piece
         hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
         end = min(hits) if hits else len(self.text) - max(
