@@ -27,10 +27,10 @@ Sections (each begins with a bar and the same number and name):
     4. optimiser: AdamW with its kernels
     5. training: Trainer, train and resume
     6. generation: the decode kernels by concern (products, cache attention, sampling, speculation)
-       beside the Sampler that launches them
+       beside the Sampler that launches them, and the Decoder of serve's batch
     7. fine-tuning and evaluation: SFT, chat, serve, DPO, eval, plot
     8. verification: the NVRTC compile check, the self-test, the gradient check
-    9. bench: training, attention and generation speed
+    9. bench: training, attention and generation speed, and serve's batch
     10. command line: the modes and main
 Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
 S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers. A bf16 array is a
@@ -2889,7 +2889,8 @@ def train(a, defaults, resume, group=None):
 # 6. generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
 # graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
 # the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream; greedy
-# rounds are decided on the device too, so the host only reads the ids every few rounds)
+# rounds are decided on the device too, so the host only reads the ids every few rounds); serve's batch of
+# requests, each row as it would be alone (Decoder)
 
 # --- generation on the device. The KV cache of each layer is (streams, Hkv, ctx, hd) fp32. A decode step
 #     runs `rows` new tokens of every stream (row n = stream * rows + t) at positions pos + t, where pos is
@@ -5149,6 +5150,8 @@ def gradcheck_verdict(rows, name, what, precision):
 # no embedding or norms) + 12 * L * T * D for the attention products counted over the full T x T (the
 # PaLM convention: the causal half that is skipped still counts), so MFU is comparable across engines.
 # Peak memory is what the run took from CuPy's pool (everything is preallocated, so it is the peak).
+# Generation (bench_generation, section 6) and serve's batch without HTTP (bench_decoder) have tables of
+# their own.
 
 PEAK_TFLOPS = 989.0
 
