@@ -4019,11 +4019,16 @@ class Decoder(Sampler):
         self._dev = cp.zeros(nr + len(self.state), np.int32)      # copy (before any capture: graphs keep addresses)
         self.rec, self.state = self._dev[:nr], self._dev[nr:]
         self._up = _pinned(nr + 2 + capacity)                     # its host side
-        self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (the uniform: drawn each step)
+        self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (its uniform: set each step)
         self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
         self._last = np.zeros(capacity, np.int32)                 # each row's last id: its next input
         self._uni = np.zeros((capacity, self.ctx + 1), np.float32)    # each row's uniform numbers,
         self._drawn = np.zeros(capacity, np.intp)                     # and how many it has taken
+        for B in self.buckets:           # every bucket's graph now (padding rows alone), not at a request's step
+            with self._on_stream():
+                self._upload(np.zeros(0, np.intp), B)
+                self._step(B)
+            self.stream.synchronize()    # (the next upload rewrites the pinned buffer)
 
     @staticmethod
     def _record(slot, pos, sampling):
@@ -4047,6 +4052,10 @@ class Decoder(Sampler):
 
     def _sample(self, B):
         sample_tokens(self._lg(B, 1), self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec)
+
+    def _step(self, B):
+        """The uploaded rows' step as bucket B's graph."""
+        self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(B)))
 
     def start(self, row, ids, sampling, seed):
         """Prefills row `row` (free) with the prompt ids, resets its seen ids to them and its generator to
@@ -4077,7 +4086,7 @@ class Decoder(Sampler):
         assert 0 < n and self._rows[rows, self._POS].max() < self.ctx, "a row past the context"
         with self._on_stream():
             self._upload(rows, B)
-            self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(B)))
+            self._step(B)
             ids = self._host(self.tokens, self._tokens_h, n).copy()
         self._rows[rows, self._POS] += 1
         self._last[rows] = np.maximum(ids, 0)
@@ -5396,8 +5405,8 @@ def print_bench_generation(a, cfg):
 
 def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=None):
     """serve's batch without HTTP: Decoder.step() alone for each count of rows, every row a prompt of
-    prompt_len ids sampled at temperature 0.8 (top-k 40) with its own seed; warm steps first (the graphs),
-    then the best of reps runs of `steps` -> (prompt_len, {rows: (ms a step, tokens/s)}). ch: DECODER_CH
+    prompt_len ids sampled at temperature 0.8 (top-k 40) with its own seed; a warm-up run, then the best
+    of reps runs of `steps` -> (prompt_len, {rows: (ms a step, tokens/s)}). ch: DECODER_CH
     for this run."""
     global DECODER_CH
     keep, DECODER_CH = DECODER_CH, ch
@@ -5409,7 +5418,7 @@ def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=N
             for r in range(n):
                 dec.start(r, [int(i) for i in rng.integers(1, P.cfg.vocab, prompt_len)], pl.Sampling(0.8, 40), r)
             best = float("inf")
-            for rep in range(reps + 1):                 # the first: graph capture
+            for rep in range(reps + 1):                 # the first: warm-up
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     dec.step(list(range(n)))
