@@ -3510,7 +3510,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
     int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
     float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
     int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, streams = gridDim.x, step = state[1];
-    const int* rr = rec + ROW_REC * b;                    // (rec only)
+    const int* rr = rec ? rec + ROW_REC * b : rec;        // its record (the Decoder's)
     if (rec) {
         temperature = __int_as_float(rr[ROW_TEMP]);
         top_k = rr[ROW_TOPK];
