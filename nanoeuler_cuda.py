@@ -4227,7 +4227,13 @@ def cmd_serve(argv):
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows), "GPU")
+
+    def decoder(rows):
+        try:
+            return Decoder(P, rows)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise UserError(f"--max-batch {rows}: the rows' caches do not fit the GPU's memory; give fewer") from None
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", decoder, "GPU")
 
 
 # --- DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
