@@ -245,7 +245,7 @@ MUTANTS = [
     ('created in milliseconds', 'serve.py',
      [('"created": int(time.time())', '"created": int(time.time() * 1000)', 1)], _T36A_SERVE),
     # issue 33 (h33s): serve's continuous batching
-    ("a departed client keeps its row", "serve.py", [("if ch.job.gone.is_set()]:", "if False]:", 1)],
+    ("a departed client keeps its row", "serve.py", [("if ch.job.gone.is_set()):", "if False):", 1)],
      ("test_serve.py::test_a_client_that_leaves_frees_its_place",)),
     ("a full queue takes one more", "serve.py", [("if len(self.waiting) >= self.max_queue:", "if False:", 1)],
      ("test_serve.py::test_a_full_queue_answers_429_with_retry_after",)),

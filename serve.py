@@ -348,8 +348,8 @@ class Scheduler:
                     starting.append((job, [self.free.pop() for _ in range(job.n)]))
             for job, rows in starting:
                 self.start(job, rows)
-            for ch in [ch for ch in self.active.values() if ch.job.gone.is_set()]:
-                self.end(ch.job, "left", note="the client left")
+            for job in dict.fromkeys(ch.job for ch in self.active.values() if ch.job.gone.is_set()):
+                self.end(job, "left", note="the client left")
             if self.active:
                 self.step()
 
