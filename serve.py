@@ -317,7 +317,7 @@ class Scheduler:
     def __init__(self, tok, decoder, log, max_queue):
         self.tok, self.decoder, self.log, self.max_queue = tok, decoder, log, max_queue
         self.waiting, self.active = collections.deque(), {}          # jobs in arrival order; row -> Choice
-        self.free = list(range(decoder.capacity))[::-1]              # pop() takes the lowest row
+        self.free = list(range(decoder.capacity))[::-1]              # rows 0, 1, .. first; then the last freed
         self.cond, self.closed, self.skipped = threading.Condition(), False, 0
         self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
         self.thread.start()
