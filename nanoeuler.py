@@ -660,7 +660,7 @@ class Muon(AdamW):
     def __init__(self, P, muon_ratio, momentum=pl.MUON_MOMENTUM, **kw):
         super().__init__(P, 0.0, **kw)
         self.muon_ratio, self.momentum = muon_ratio, momentum
-        self.ranges = pl.adamw_ranges(P.cfg, "muon")
+        self.ranges = pl.adamw_ranges(P.cfg)
         self.matrices = pl.muon_matrices(P.cfg)
 
     def update(self, P, G, lr, scale):
