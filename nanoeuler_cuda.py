@@ -4678,6 +4678,13 @@ def selftest_checks(rng):
             R.append((f"{tag} bwd dv", rel_err(d[:, Cq + Ck:], dqkv_r[:, Cq + Ck:]), tol))
     R += selftest_generation(rng, randn, tol)
     R += selftest_adamw(rng, randn, tol)
+    # Muon's strided-batched products (bmm_ex): A B^T with alpha, and A B, three matrices each
+    A3, B3, C3 = randn(3, 24, 40), randn(3, 16, 40), randn(3, 40, 16)
+    out, out2 = _nan(3, 24, 16), _nan(3, 24, 16)
+    bmm_ex(out, _d(A3), _d(B3), tb=True, alpha=0.5)
+    bmm_ex(out2, _d(A3), _d(C3))
+    R.append(("bmm_ex (batched A B^T x 0.5, A B)", max(rel_err(out, 0.5 * A3 @ B3.transpose(0, 2, 1)),
+                                                         rel_err(out2, A3 @ C3)), tol))
     R += selftest_muon(rng, randn)
     # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
     M, Nn, Kk = 96, 80, 1000
