@@ -660,7 +660,7 @@ class Muon(AdamW):
     def __init__(self, P, muon_ratio, momentum=pl.MUON_MOMENTUM, **kw):
         super().__init__(P, 0.0, **kw)
         self.muon_ratio, self.momentum = muon_ratio, momentum
-        self.ranges = pl.adamw_ranges(P.cfg, "muon")
+        self.ranges = pl.adamw_ranges(P.cfg)
         self.matrices = pl.muon_matrices(P.cfg)
 
     def update(self, P, G, lr, scale):
@@ -1342,8 +1342,8 @@ def cmd_chat(argv):
 def cmd_serve(argv):
     import serve
     p = pl.Parser(prog=f"{PROG} serve", description=serve.DESCRIPTION)
-    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default {SERVE_BATCH}: on 2 cores, "
-                          "small's 8 streams make 3-4x the tokens of one")
+    serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default {SERVE_BATCH}: on 2 cores a "
+                          "step of small's 8 rows makes 3x the tokens of one row's")
     a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows or SERVE_BATCH), "CPU")

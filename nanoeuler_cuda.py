@@ -27,10 +27,10 @@ Sections (each begins with a bar and the same number and name):
     4. optimiser: AdamW and Muon (--optim muon) with their kernels
     5. training: Trainer, train and resume
     6. generation: the decode kernels by concern (products, cache attention, sampling, speculation)
-       beside the Sampler that launches them
+       beside the Sampler that launches them, and the Decoder of serve's batch
     7. fine-tuning and evaluation: SFT, chat, serve, DPO, eval, plot
     8. verification: the NVRTC compile check, the self-test, the gradient check
-    9. bench: training, attention and generation speed
+    9. bench: training, attention and generation speed, and serve's batch
     10. command line: the modes and main
 Shapes: B batch, T positions, N = B*T rows, D dim, Hq/Hkv heads, hd head dim, Cq = Hq*hd, Ck = Hkv*hd,
 S = Cq + 2*Ck (one row of the fused q|k|v product), F ffn width, V vocab, L layers. A bf16 array is a
@@ -3094,7 +3094,8 @@ def train(a, defaults, resume, group=None):
 # 6. generation: the prompt prefilled in one pass (flash attention), then decode steps captured once as CUDA
 # graphs and replayed, with the next id drawn on the device (plain decoding, any number of streams), or
 # the MTP heads drafting ids that head 0 verifies in one step (speculative decoding, one stream; greedy
-# rounds are decided on the device too, so the host only reads the ids every few rounds)
+# rounds are decided on the device too, so the host only reads the ids every few rounds); serve's batch of
+# requests, each row as it would be alone (Decoder)
 
 # --- generation on the device. The KV cache of each layer is (streams, Hkv, ctx, hd) fp32. A decode step
 #     runs `rows` new tokens of every stream (row n = stream * rows + t) at positions pos + t, where pos is
@@ -3714,7 +3715,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
     int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
     float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
     int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, streams = gridDim.x, step = state[1];
-    const int* rr = rec + ROW_REC * b;                    // (rec only)
+    const int* rr = rec ? rec + ROW_REC * b : rec;        // its record (the Decoder's)
     if (rec) {
         temperature = __int_as_float(rr[ROW_TEMP]);
         top_k = rr[ROW_TOPK];
@@ -4223,11 +4224,16 @@ class Decoder(Sampler):
         self._dev = cp.zeros(nr + len(self.state), np.int32)      # copy (before any capture: graphs keep addresses)
         self.rec, self.state = self._dev[:nr], self._dev[nr:]
         self._up = _pinned(nr + 2 + capacity)                     # its host side
-        self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (the uniform: drawn each step)
+        self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (its uniform: set each step)
         self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
         self._last = np.zeros(capacity, np.int32)                 # each row's last id: its next input
         self._uni = np.zeros((capacity, self.ctx + 1), np.float32)    # each row's uniform numbers,
         self._drawn = np.zeros(capacity, np.intp)                     # and how many it has taken
+        for B in self.buckets:           # every bucket's graph now (padding rows alone), not at a request's step
+            with self._on_stream():
+                self._upload(np.zeros(0, np.intp), B)
+                self._step(B)
+            self.stream.synchronize()    # (the next upload rewrites the pinned buffer)
 
     @staticmethod
     def _record(slot, pos, sampling):
@@ -4251,6 +4257,10 @@ class Decoder(Sampler):
 
     def _sample(self, B):
         sample_tokens(self._lg(B, 1), self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec)
+
+    def _step(self, B):
+        """The uploaded rows' step as bucket B's graph."""
+        self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(B)))
 
     def start(self, row, ids, sampling, seed):
         """Prefills row `row` (free) with the prompt ids, resets its seen ids to them and its generator to
@@ -4281,7 +4291,7 @@ class Decoder(Sampler):
         assert 0 < n and self._rows[rows, self._POS].max() < self.ctx, "a row past the context"
         with self._on_stream():
             self._upload(rows, B)
-            self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(B)))
+            self._step(B)
             ids = self._host(self.tokens, self._tokens_h, n).copy()
         self._rows[rows, self._POS] += 1
         self._last[rows] = np.maximum(ids, 0)
@@ -4422,7 +4432,13 @@ def cmd_serve(argv):
     a = p.parse_args(argv)
     gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
-    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows), "GPU")
+
+    def decoder(rows):
+        try:
+            return Decoder(P, rows)
+        except cp.cuda.memory.OutOfMemoryError:
+            raise UserError(f"--max-batch {rows}: the rows' caches do not fit the GPU's memory; give fewer") from None
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", decoder, "GPU")
 
 
 # --- DPO and evaluation: head 0 alone on the Model's final normed rows hf (forward(want_loss=False) stops
@@ -4866,6 +4882,13 @@ def selftest_checks(rng):
     R += selftest_generation(rng, randn, tol)
     R += selftest_decoder(rng)
     R += selftest_adamw(rng, randn, tol)
+    # Muon's strided-batched products (bmm_ex): A B^T with alpha, and A B, three matrices each
+    A3, B3, C3 = randn(3, 24, 40), randn(3, 16, 40), randn(3, 40, 16)
+    out, out2 = _nan(3, 24, 16), _nan(3, 24, 16)
+    bmm_ex(out, _d(A3), _d(B3), tb=True, alpha=0.5)
+    bmm_ex(out2, _d(A3), _d(C3))
+    R.append(("bmm_ex (batched A B^T x 0.5, A B)", max(rel_err(out, 0.5 * A3 @ B3.transpose(0, 2, 1)),
+                                                         rel_err(out2, A3 @ C3)), tol))
     R += selftest_muon(rng, randn)
     # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
     M, Nn, Kk = 96, 80, 1000
@@ -5392,6 +5415,8 @@ def gradcheck_verdict(rows, name, what, precision):
 # no embedding or norms) + 12 * L * T * D for the attention products counted over the full T x T (the
 # PaLM convention: the causal half that is skipped still counts), so MFU is comparable across engines.
 # Peak memory is what the run took from CuPy's pool (everything is preallocated, so it is the peak).
+# Generation (bench_generation, section 6) and serve's batch without HTTP (bench_decoder) have tables of
+# their own.
 
 PEAK_TFLOPS = 989.0
 
@@ -5636,8 +5661,8 @@ def print_bench_generation(a, cfg):
 
 def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=None):
     """serve's batch without HTTP: Decoder.step() alone for each count of rows, every row a prompt of
-    prompt_len ids sampled at temperature 0.8 (top-k 40) with its own seed; warm steps first (the graphs),
-    then the best of reps runs of `steps` -> (prompt_len, {rows: (ms a step, tokens/s)}). ch: DECODER_CH
+    prompt_len ids sampled at temperature 0.8 (top-k 40) with its own seed; a warm-up run, then the best
+    of reps runs of `steps` -> (prompt_len, {rows: (ms a step, tokens/s)}). ch: DECODER_CH
     for this run."""
     global DECODER_CH
     keep, DECODER_CH = DECODER_CH, ch
@@ -5649,7 +5674,7 @@ def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=N
             for r in range(n):
                 dec.start(r, [int(i) for i in rng.integers(1, P.cfg.vocab, prompt_len)], pl.Sampling(0.8, 40), r)
             best = float("inf")
-            for rep in range(reps + 1):                 # the first: graph capture
+            for rep in range(reps + 1):                 # the first: warm-up
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     dec.step(list(range(n)))

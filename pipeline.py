@@ -207,11 +207,9 @@ def muon_scale(shape):
     return max(1.0, shape[0] / shape[1]) ** 0.5
 
 
-def adamw_ranges(cfg, optim):
-    """The (start, end) ranges of the flat layout that AdamW updates: all of it, or under Muon what the block
-    matrices leave (the embedding, the norm weights, the heads)."""
-    if optim == "adamw":
-        return [(0, num_params(cfg))]
+def adamw_ranges(cfg):
+    """The (start, end) ranges of the flat layout that AdamW updates under Muon: what the block matrices leave
+    (the embedding, the norm weights, the heads)."""
     muon, ranges, off = set(muon_matrices(cfg)), [], 0
     for name, shape in param_shapes(cfg):
         n = int(np.prod(shape))

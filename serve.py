@@ -71,6 +71,8 @@ PAGE = os.path.join(HERE, "chat.html")
 MAX_BODY = 1 << 20          # bytes of a request body
 MAX_STOPS = 4               # stop strings per request, as OpenAI allows
 POLL = 0.1                  # seconds between two looks at a waiting client's socket
+FLUSH = 0.02                # seconds at least between two writes of one stream: a busy batch's tokens
+                            # go out a few at a time, not one wake-up and one write per token each
 MAX_QUEUE = 256             # requests waiting for a row, by default; one more is answered 429
 KEY_ENV = "NANOEULER_API_KEY"   # the API key's environment variable (--api-key)
 
@@ -114,7 +116,8 @@ class Job:
     def put(self, event):
         with self.lock:
             self.events.append(event)
-            self.ready.set()
+            if not self.ready.is_set():
+                self.ready.set()
 
     def take(self, timeout):
         """Every event put since the last take (the connection's thread writes them at once), after waiting
@@ -278,6 +281,8 @@ class StopScan:
 
     def feed(self, piece):
         """-> (text to send, stopped)."""
+        if not self.stops:                               # (the common case, once per token)
+            return piece, False
         self.text += piece
         hits = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
         end = min(hits) if hits else len(self.text) - max(
@@ -312,7 +317,7 @@ class Scheduler:
     def __init__(self, tok, decoder, log, max_queue):
         self.tok, self.decoder, self.log, self.max_queue = tok, decoder, log, max_queue
         self.waiting, self.active = collections.deque(), {}          # jobs in arrival order; row -> Choice
-        self.free = list(range(decoder.capacity))[::-1]              # pop() takes the lowest row
+        self.free = list(range(decoder.capacity))[::-1]              # rows 0, 1, .. first; then the last freed
         self.cond, self.closed, self.skipped = threading.Condition(), False, 0
         self.thread = threading.Thread(target=self.loop, name="scheduler", daemon=True)
         self.thread.start()
@@ -343,8 +348,8 @@ class Scheduler:
                     starting.append((job, [self.free.pop() for _ in range(job.n)]))
             for job, rows in starting:
                 self.start(job, rows)
-            for ch in [ch for ch in self.active.values() if ch.job.gone.is_set()]:
-                self.end(ch.job, "left", note="the client left")
+            for job in dict.fromkeys(ch.job for ch in self.active.values() if ch.job.gone.is_set()):
+                self.end(job, "left", note="the client left")
             if self.active:
                 self.step()
 
@@ -546,8 +551,9 @@ class Handler(BaseHTTPRequestHandler):
     def events(self, job):
         """Lists of the job's events as they come, until its last; returns early, setting job.gone, when the
         client has closed its connection (the scheduler then drops the job, queued or running)."""
-        looked, left = time.monotonic(), job.n
+        looked, left, wrote = time.monotonic(), job.n, 0.0
         while True:
+            time.sleep(max(0.0, wrote + FLUSH - time.monotonic()))
             events = job.take(POLL)
             if not events or time.monotonic() - looked > POLL:
                 looked = time.monotonic()
@@ -556,6 +562,7 @@ class Handler(BaseHTTPRequestHandler):
                     return
             if events:
                 yield events
+                wrote = time.monotonic()
                 left -= sum(ev[0] == "done" for ev in events)
                 if left == 0 or events[-1][0] == "error":
                     return

@@ -362,8 +362,10 @@ def test_decoder_rows_are_the_same_alone_or_interleaved(model):
     """Authority: issue 33, "the same text as alone": a request's ids with a given seed are identical alone
     and among others that arrive and leave at other times. Eight requests, greedy and sampled (top-k, top-p,
     a repetition penalty), through 3 rows: they queue, start at other steps, leave mid-way, reuse freed rows.
-    A row alone is generate's plain decoding with the same seed (both draw one uniform a sampled token, none
-    when greedy), and the Decoder's step is four-row passes whatever the batch: ids to the id."""
+    The Decoder's step is four-row passes whatever the batch: ids to the id. A row alone is also generate's
+    plain decoding with the same seed, draw for draw (both draw one uniform a sampled token, none when
+    greedy); their logits differ by float32 rounding (generate's products are BLAS's), so the same ids
+    unless a draw lands within that rounding of a boundary: never here."""
     P = pl.Params.init(CFG, 5)
     P.flat *= 4                                          # peaked distributions: a rounding slip would show
     rules = [pl.Sampling(0), pl.Sampling(1.0, 0), pl.Sampling(0.8, 40, 0.9), pl.Sampling(0, repetition_penalty=1.3),

@@ -10,8 +10,9 @@ different prompt of about 70 tokens, temperature 0.8, max_tokens --tokens and ig
 which serve honours: <|endoftext|> does not end an answer, so every answer runs its --tokens tokens), and
 --rounds such waves a level. Prints per level: aggregate tokens/s (every answer's tokens, from the usage
 chunk, over the wave's wall time), time to first token (the first chunk with text) and latency (until
-[DONE]), p50 and p95 over the level's requests. The clients run on the server's machine and take some
-of its CPU: on a 2-core machine that lowers the CPU figures a little.
+[DONE]), p50 and p95 over the level's requests, and the server process's CPU time per token (all its
+threads; a figure that other load on the machine does not change much). The clients run on the server's
+machine and take some of its CPU: on a 2-core machine that lowers the CPU engine's figures.
 """
 import argparse
 import http.client
@@ -26,20 +27,35 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py"}
-TOPICS = ["the sea", "a city at night", "an old clock", "a long journey", "the first snow", "a small garden",
-          "a lost letter", "the mountains", "a quiet library", "a summer storm", "a busy market", "the moon"]
+WORDS = ("Write a short story about the sea, a city at night or an old clock. It should have a beginning, a "
+         "middle and an end, a main character with a name, one surprising event, and a closing line that makes "
+         "the reader smile. Use simple words, short sentences and no more than two paragraphs, and tell it in "
+         "the past tense, as a grandmother would tell it by the fire on a winter evening.").split()
 
 
-def prompt(i):
-    """About 70 tokens of plain English, a different one per client."""
-    return (f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i}). It should have a beginning, a "
-            "middle and an end, a main character with a name, one surprising event, and a closing line that "
-            "makes the reader smile. Use simple words, short sentences and no more than two paragraphs.")
+def prompt(i, words):
+    """Plain English, a different text per client: its number, then the first `words` words of WORDS."""
+    return f"Story {i}: " + " ".join(WORDS[:words])
 
 
-def one(port, i, tokens, out):
-    """One streamed chat completion -> out[i] = (time to first token, latency, completion tokens)."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt(i)}], "max_tokens": tokens, "temperature": 0.8,
+def prompt_tokens(port, words):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": prompt(0, words)}],
+                                                            "max_tokens": 1}))
+    n = json.loads(conn.getresponse().read())["usage"]["prompt_tokens"]
+    conn.close()
+    return n
+
+
+def words_for(port, target):
+    """How many of WORDS make prompts of about `target` tokens with this server's tokenizer and template."""
+    full, none = prompt_tokens(port, len(WORDS)), prompt_tokens(port, 0)
+    return max(0, min(len(WORDS), round((target - none) / max(full - none, 1) * len(WORDS))))
+
+
+def one(port, i, tokens, out, words):
+    """One streamed chat completion -> out[i] = (time to first token, latency, completion tokens, usage)."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt(i, words)}], "max_tokens": tokens, "temperature": 0.8,
                        "seed": i, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True})
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -63,14 +79,14 @@ def one(port, i, tokens, out):
     out[i] = (first, time.perf_counter() - t0, usage["completion_tokens"] if usage else 0, usage)
 
 
-def wave(port, n, tokens):
+def wave(port, n, tokens, words=len(WORDS)):
     """n requests at once -> ([(ttft, latency, tokens, usage)], wall seconds)."""
     out, go = [None] * n, threading.Barrier(n + 1)
 
     def client(i):
         go.wait()
         try:
-            one(port, i, tokens, out)
+            one(port, i, tokens, out, words)
         except Exception as e:                       # reported below, with the others' figures
             out[i] = e
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
@@ -85,6 +101,16 @@ def wave(port, n, tokens):
     if errors:
         raise SystemExit(f"error: {len(errors)} of {n} requests failed: {errors[0]}")
     return out, wall
+
+
+def cpu_seconds(pid):
+    """The server process's CPU time so far (user + system, all threads), from /proc; None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def pct(xs, p):
@@ -114,6 +140,8 @@ def main():
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="levels: requests at once (default 1 8)")
     ap.add_argument("--tokens", type=int, default=100, help="max_tokens of each request (default 100)")
     ap.add_argument("--rounds", type=int, default=2, help="waves per level (default 2)")
+    ap.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=70,
+                    help="about how long each prompt is, in the served model's tokens (default 70)")
     ap.add_argument("--max-batch", dest="max_batch", type=int, help="the server's --max-batch (default: its own)")
     ap.add_argument("serve_args", nargs="*", help="more serve flags, after --")
     a = ap.parse_args()
@@ -122,26 +150,30 @@ def main():
     p, port, banner = start_server(a)
     try:
         print(banner, flush=True)
-        wave(port, 1, 8)                             # warm-up: compiles, graphs, first touches
+        words = words_for(port, a.prompt_tokens)
+        print(f"prompts of about {a.prompt_tokens} tokens: {words} words", file=sys.stderr)
+        wave(port, max(a.clients), 8, words)         # warm-up: compiles, graphs, first touches
         rows = []
         for n in a.clients:
-            res, walls = [], []
+            res, walls, cpu0 = [], [], cpu_seconds(p.pid)
             for _ in range(a.rounds):
-                out, wall = wave(port, n, a.tokens)
+                out, wall = wave(port, n, a.tokens, words)
                 res += out
                 walls.append(wall)
-            tokens = sum(r[2] for r in res)
+            tokens, cpu1 = sum(r[2] for r in res), cpu_seconds(p.pid)
             ttft, lat = [r[0] for r in res], [r[1] for r in res]
+            cpu = (cpu1 - cpu0) / tokens * 1e3 if cpu0 is not None and cpu1 is not None else float("nan")
             rows.append((n, tokens / sum(walls), tokens / len(res), res[0][3]["prompt_tokens"],
-                         pct(ttft, 50), pct(ttft, 95), pct(lat, 50), pct(lat, 95)))
+                         pct(ttft, 50), pct(ttft, 95), pct(lat, 50), pct(lat, 95), cpu))
             print(f"  {n} clients: {rows[-1][1]:,.0f} tokens/s", file=sys.stderr, flush=True)
         print(f"\n{a.engine} engine, {a.ckpt}: {a.rounds} waves a level, max_tokens {a.tokens}, ignore_eos, "
               "temperature 0.8")
         print("| clients | aggregate tokens/s | tokens/answer | prompt tokens | TTFT p50 / p95 (ms) | "
-              "latency p50 / p95 (s) |")
-        print("|---|---|---|---|---|---|")
-        for n, tps, per, pt, t50, t95, l50, l95 in rows:
-            print(f"| {n} | {tps:,.0f} | {per:.0f} | {pt} | {t50 * 1e3:,.0f} / {t95 * 1e3:,.0f} | {l50:.2f} / {l95:.2f} |")
+              "latency p50 / p95 (s) | server CPU ms/token |")
+        print("|---|---|---|---|---|---|---|")
+        for n, tps, per, pt, t50, t95, l50, l95, cpu in rows:
+            print(f"| {n} | {tps:,.0f} | {per:.0f} | {pt} | {t50 * 1e3:,.0f} / {t95 * 1e3:,.0f} | {l50:.2f} / {l95:.2f} "
+                  f"| {cpu:.2f} |")
         base = rows[0]
         if base[0] == 1:
             print("\n" + ", ".join(f"{n} clients: {tps / base[1]:.1f}x one client's" for n, tps, *_ in rows[1:]))
