@@ -39,6 +39,99 @@ def test_every_kernel_compiles_with_nvrtc():
     assert len(defined) == len(nc.KERNELS) == 99 and dict(defined) == nc.KERNELS
 
 
+H200_PEAKS = {16: 5.44, 64: 15.62}     # GiB, big T=512 bf16: bench's peak pool bytes on an H200 (2026-11)
+
+
+@pytest.mark.parametrize("key", sorted(nc.EMULATE))
+def test_the_planner_fits_every_profile(key, monkeypatch):
+    """For each device profile (the published figures of EMULATE) and config, training and decoding: the
+    precision and attention the engine picks have kernels whose shared memory fits a block, matvec's and the
+    KV-cache attention's plans and the sampler fit, and the grids are at least the SM count. On the H200 the
+    plans are today's (its speed); the memory estimate bounds the H200's measured peaks; on 12 GB (RTX 4070)
+    big at B=16 bf16 fits and large runs at some batch (issue 32)."""
+    prof = nc.EMULATE[key]
+    monkeypatch.setattr(nc, "PROFILE", prof)
+    fits = lambda b: b + nc.STATIC_SMEM <= prof.smem_block
+    assert 1024 <= prof.threads_sm and nc.ATTN_THREADS <= prof.threads_sm
+    for name, cfg in pl.CONFIGS.items():
+        hd, D, F, V, K = cfg.head_dim, cfg.dim, cfg.ffn, cfg.vocab, cfg.n_mtp
+        S, Cq = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, cfg.n_heads * hd
+        # training: bf16 where the chip has it (every config's head dim has fitting tensor-core tiles), else fp32
+        prec = nc.check_precision("bf16", cfg, "flash", explicit=False)
+        assert prec == ("bf16" if prof.bf16 and hd in nc.BF16_HEAD_DIMS else "tf32" if prof.bf16 else "fp32"), name
+        if prec == "bf16":
+            assert all(fits(f(hd)) for f in nc._FLASH_BF16_SMEM.values())
+        attn = nc.attention_for("flash", cfg, prec == "bf16")
+        if attn == "flash" and prec != "bf16" and hd in nc.FLASH_HEAD_DIMS:
+            assert all(fits(f(hd)) for f in nc._FLASH_SMEM.values())
+        assert attn == "flash" or key == "t4" or (key in ("rtx4070", "rtx3090", "l4") and hd == 64), (key, name)
+        # decoding: each product of the step by matvec (or cuBLAS where one unit does not fit), its attention
+        for N, Kw in ((S, D), (D, Cq), (2 * F, D), (D, F), (K * V, D)):
+            plan = nc.matvec_plan(N // 2, Kw, prof)
+            if key in ("h200", "a100"):
+                assert plan is not None, (name, N, Kw)
+            if plan is None:
+                assert not fits(nc.matvec_smem(1, Kw, 8))
+                continue
+            upb, parts = plan
+            assert fits(nc.matvec_smem(upb, Kw, 8)) and upb * parts <= 8 and parts in nc.MATVEC_PARTS
+            if key == "h200":       # today's plan: the SMs filled, at most 64 KB of W and 8 units a block
+                assert upb == max(1, min(-(-N // 2 // 132), nc.MATVEC_SMEM // (8 * Kw), 8))
+        for R in (1, nc.MATVEC_ROWS, 64):
+            ch = nc.attn_chunk(hd, R, prof)
+            assert ch >= 8 and fits(nc.attn_cached_smem(ch, hd))
+            if key == "h200":
+                assert ch == (min(16384 // hd, 1024) if R <= nc.MATVEC_ROWS else nc.ATTN_BATCH_CH)
+        assert fits(nc.sampling_smem(V))
+    # memory: an upper bound of the H200's measured peaks; the RTX 4070's 12 GB fits big at 16 and large at some B
+    big, large = pl.CONFIGS["big"], pl.CONFIGS["large"]
+    for B, gib in H200_PEAKS.items():
+        assert gib * nc.GiB <= nc.memory_estimate(big, B, 512, "bf16") <= 1.25 * gib * nc.GiB
+    if key == "rtx4070":
+        assert nc.memory_estimate(big, 16, 512, "bf16") <= prof.free
+        assert nc.fit_batch(large, 1024, "bf16", "flash", 1, prof.free) >= 1
+    if prof.bf16:
+        assert nc.fit_batch(big, 512, "bf16", "flash", 1, prof.free) >= 16
+
+
+def test_a_run_too_big_for_the_device_gets_one_line_with_a_batch_that_fits(monkeypatch):
+    """large at B=64 on an RTX 4070's 12 GB: the line names the largest batch that fits (its estimate within the
+    free memory, one more not) and a --grad-accum that keeps the 64 sequences a step; sm_75 refuses bf16."""
+    prof = nc.EMULATE["rtx4070"]
+    large = pl.CONFIGS["large"]
+    with pytest.raises(pl.UserError) as e:
+        nc.check_memory(large, 64, 1024, "bf16", "flash", 1, prof)
+    m = re.search(r"--batch (\d+) fits at most; --batch (\d+) --grad-accum (\d+) keeps 64 sequences", str(e.value))
+    assert m and "\n" not in str(e.value), str(e.value)
+    fit, b, acc = map(int, m.groups())
+    est = lambda B, a=1: nc.memory_estimate(large, B, 1024, "bf16", "flash", a)
+    assert est(fit) <= prof.free < est(fit + 1) and b * acc == 64 and est(b, acc) <= prof.free
+    nc.check_memory(pl.CONFIGS["big"], 16, 512, "bf16", "flash", 1, prof)          # fits: no error
+    monkeypatch.setattr(nc, "PROFILE", nc.EMULATE["t4"])
+    with pytest.raises(pl.UserError, match="bf16 needs the tensor cores of sm_80.*runs --precision fp32"):
+        nc.check_precision("bf16", pl.CONFIGS["big"], "flash")
+    assert nc.check_precision("bf16", pl.CONFIGS["big"], "flash", explicit=False) == "fp32"
+
+
+def test_emulation_and_peaks_follow_the_published_figures():
+    """NANOEULER_EMULATE's profile on a bigger device: the emulated limits, the real device's memory in use
+    counted against the emulated one. Peaks (PEAKS, else FLOP an SM and clock): datasheet / whitepaper figures,
+    the RTX 3080 (not in the table) at the GA102 whitepaper's 59.5 TFLOP/s."""
+    h200 = nc.EMULATE["h200"]
+    real = nc.DeviceProfile(**{**h200.__dict__, "free": h200.total - 3 * nc.GiB})
+    e = nc.emulate(real, "rtx4070")
+    assert (e.sms, e.smem_block, e.cc, e.peak_tflops, e.emulated) == (46, 99 << 10, (8, 9), 58.3, True)
+    assert e.free == nc.EMULATE["rtx4070"].total - 3 * nc.GiB and not e.pdl and real.pdl
+    assert nc.emulate(real, "") is real
+    with pytest.raises(pl.UserError, match="NANOEULER_EMULATE=rtx9090: no such profile"):
+        nc.emulate(real, "rtx9090")
+    assert nc.peak_tflops((9, 0), "NVIDIA H200", 132, 1980000) == 989.0
+    assert nc.peak_tflops((9, 0), "NVIDIA H100 PCIe", 114, 1755000) == 756.0
+    assert nc.peak_tflops((8, 0), "NVIDIA A100-SXM4-80GB", 108, 1410000) == 312.0
+    assert nc.peak_tflops((8, 9), "NVIDIA L40S", 142, 2520000) == 362.0
+    assert abs(nc.peak_tflops((8, 6), "NVIDIA GeForce RTX 3080", 68, 1710000) - 59.5) < 0.1
+
+
 def test_cuda_sources_take_the_rmsnorm_eps_from_pipeline():
     """RMS_EPS is pl.RMS_EPS as a float literal, the same float32, and no source spells the number itself."""
     m = re.search(r"#define RMS_EPS (\S+)f\n", nc.COMMON)
@@ -69,7 +162,7 @@ def test_every_kernel_has_a_launcher():
         assert name_fn in calls[launcher] and ("_k" in calls[launcher] or "_smem_kernel" in calls[launcher])
     launched |= {nc.flash_name(kind, hd) for kind in nc._FLASH_SMEM for hd in nc.FLASH_HEAD_DIMS}
     launched |= {nc.flash_name(kind, hd, bf16=True) for kind in nc._FLASH_BF16_SMEM for hd in nc.BF16_HEAD_DIMS}
-    launched |= {nc.matvec_name(epi, nc.matvec_plan(n, 1024, 132)[1]) for epi in nc.MATVEC_EPI
+    launched |= {nc.matvec_name(epi, nc.matvec_plan(n, 1024, nc.EMULATE["h200"])[1]) for epi in nc.MATVEC_EPI
                  for n in (1, 200, 300, 1000)}
     launched |= {nc.attn_warps_name(hd, gq, bf16) if nc.attn_warps(R, gq, 1, hd) else nc.attn_cached_name(hd, bf16)
                  for R in (1, 64) for hd in nc.ATTN_CACHED_HD for gq in nc.ATTN_WARPS_GQ for bf16 in (False, True)}
