@@ -178,7 +178,7 @@ def peak_tflops(cc, name, sms, clock_khz):
 
 def emulate(real, key):
     """The profile of EMULATE[key] as run on the real device: its limits, never above the real one's (its
-    kernels run there); its free memory less what is already used on the real one."""
+    kernels run there); free, what that GPU has free alone (several emulated runs may share one device)."""
     if not key:
         return real
     if key not in EMULATE:
@@ -187,7 +187,7 @@ def emulate(real, key):
     lim = lambda f: min(getattr(e, f), getattr(real, f))
     return DeviceProfile(f"{e.name} (emulated on {real.name})", min(e.cc, real.cc), e.sms, lim("smem_block"),
                          lim("smem_sm"), lim("threads_sm"), lim("regs_sm"), e.l2, lim("total"),
-                         max(0, min(e.total - (real.total - real.free), real.free)), e.peak_tflops, True)
+                         min(e.free, real.free), e.peak_tflops, True)
 
 
 PROFILE = None      # the device's DeviceProfile, once gpu() has run
@@ -206,14 +206,20 @@ def _start_profile():
     rt = cp.cuda.runtime
     dev = cp.cuda.Device().id
     p = rt.getDeviceProperties(dev)
+
+    def prop(key, attr):         # getDeviceProperties' field, else cudaDeviceGetAttribute's (cudaDeviceAttr number)
+        v = p.get(key)
+        return int(v) if v is not None else int(rt.deviceGetAttribute(attr, dev))
     name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
-    cc = (int(p["major"]), int(p["minor"]))
-    clock = p.get("clockRate") or rt.deviceGetAttribute(13, dev)        # cudaDevAttrClockRate, kHz
+    cc, sms = (prop("major", 75), prop("minor", 76)), prop("multiProcessorCount", 16)
+    try:
+        clock = prop("clockRate", 13)                                  # kHz (not in CUDA 13's cudaDeviceProp)
+    except Exception:
+        clock = 0
     free, total = rt.memGetInfo()
-    sms = int(p["multiProcessorCount"])
-    real = DeviceProfile(name, cc, sms, int(p["sharedMemPerBlockOptin"]), int(p["sharedMemPerMultiprocessor"]),
-                         int(p["maxThreadsPerMultiProcessor"]), int(p["regsPerMultiprocessor"]), int(p["l2CacheSize"]),
-                         int(total), int(free), peak_tflops(cc, name, sms, clock))
+    real = DeviceProfile(name, cc, sms, prop("sharedMemPerBlockOptin", 97), prop("sharedMemPerMultiprocessor", 81),
+                         prop("maxThreadsPerMultiProcessor", 39), prop("regsPerMultiprocessor", 82),
+                         prop("l2CacheSize", 38), int(total), int(free), peak_tflops(cc, name, sms, clock))
     prof = emulate(real, os.environ.get("NANOEULER_EMULATE", "").strip().lower())
     if prof.cc < MIN_CC:
         raise UserError(f"this GPU ({name}, sm_{cc[0]}{cc[1]}) is older than the GPU engine supports: fp32 needs "
@@ -5152,7 +5158,7 @@ def cmd_selftest(argv):
     gpu()
     set_tf32(False)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
-    print(f"self-test on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, fresh inputs (seed {seed}), "
+    print(f"self-test on {PROFILE.name}, fresh inputs (seed {seed}), "
           f"outputs poisoned with NaN; error = max|gpu - ref| / max|ref| vs float64")
     rng = np.random.default_rng(seed)
     rows = selftest_checks(rng) + (selftest_checks_bf16(rng) if PROFILE.bf16 else [])

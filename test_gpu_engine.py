@@ -121,14 +121,15 @@ def test_a_run_too_big_for_the_device_gets_one_line_with_a_batch_that_fits(monke
 
 
 def test_emulation_and_peaks_follow_the_published_figures():
-    """NANOEULER_EMULATE's profile on a bigger device: the emulated limits, the real device's memory in use
-    counted against the emulated one. Peaks (PEAKS, else FLOP an SM and clock): datasheet / whitepaper figures,
+    """NANOEULER_EMULATE's profile on a bigger device: the emulated limits and free memory, never more than the
+    real device has. Peaks (PEAKS, else FLOP an SM and clock): datasheet / whitepaper figures,
     the RTX 3080 (not in the table) at the GA102 whitepaper's 59.5 TFLOP/s."""
     h200 = nc.EMULATE["h200"]
     real = nc.DeviceProfile(**{**h200.__dict__, "free": h200.total - 3 * nc.GiB})
     e = nc.emulate(real, "rtx4070")
     assert (e.sms, e.smem_block, e.cc, e.peak_tflops, e.emulated) == (46, 99 << 10, (8, 9), 58.3, True)
-    assert e.free == nc.EMULATE["rtx4070"].total - 3 * nc.GiB and not e.pdl and real.pdl
+    assert e.free == nc.EMULATE["rtx4070"].free and not e.pdl and real.pdl
+    assert nc.emulate(nc.DeviceProfile(**{**h200.__dict__, "free": nc.GiB}), "a100").free == nc.GiB
     assert nc.emulate(real, "") is real
     with pytest.raises(pl.UserError, match="NANOEULER_EMULATE=rtx9090: no such profile"):
         nc.emulate(real, "rtx9090")
@@ -137,6 +138,36 @@ def test_emulation_and_peaks_follow_the_published_figures():
     assert nc.peak_tflops((8, 0), "NVIDIA A100-SXM4-80GB", 108, 1410000) == 312.0
     assert nc.peak_tflops((8, 9), "NVIDIA L40S", 142, 2520000) == 362.0
     assert abs(nc.peak_tflops((8, 6), "NVIDIA GeForce RTX 3080", 68, 1710000) - 59.5) < 0.1
+
+
+def test_the_profile_is_read_from_the_runtime_and_emulation_caps_the_pool(monkeypatch, capsys):
+    """_start_profile on a fake CuPy runtime of an H200 (CUDA 13's cudaDeviceProp has no clockRate: the
+    attribute is asked), then under NANOEULER_EMULATE=rtx4070: the RTX 4070's figures, the pool capped to its
+    free memory, one line on stderr; a T4-era chip older than sm_75 gets one error line."""
+    from types import SimpleNamespace as NS
+    h, limit = nc.EMULATE["h200"], {}
+    props = dict(name=b"NVIDIA H200", major=9, minor=0, multiProcessorCount=132, sharedMemPerBlockOptin=232448,
+                 sharedMemPerMultiprocessor=233472, maxThreadsPerMultiProcessor=2048, regsPerMultiprocessor=65536,
+                 l2CacheSize=50 << 20)
+    rt = NS(getDeviceProperties=lambda d: props, memGetInfo=lambda: (h.free, h.total),
+            deviceGetAttribute=lambda a, d: {13: 1980000}[a])
+    fake = NS(cuda=NS(runtime=rt, Device=lambda: NS(id=0)),
+              get_default_memory_pool=lambda: NS(set_limit=lambda size: limit.update(size=size)))
+    monkeypatch.setattr(nc, "cp", fake)
+    monkeypatch.setattr(nc, "PROFILE", None)                # restored after the test
+    monkeypatch.delenv("NANOEULER_EMULATE", raising=False)
+    nc._start_profile()
+    assert nc.PROFILE == nc.DeviceProfile("NVIDIA H200", (9, 0), 132, 232448, 233472, 2048, 65536, 50 << 20, h.total,
+                                          h.free, 989.0) and not limit
+    monkeypatch.setenv("NANOEULER_EMULATE", "rtx4070")
+    nc._start_profile()
+    e = nc.EMULATE["rtx4070"]
+    assert (nc.PROFILE.sms, nc.PROFILE.smem_block, nc.PROFILE.free, nc.PROFILE.peak_tflops) == (46, 101376, e.free, 58.3)
+    assert limit == {"size": e.free} and "emulating NVIDIA GeForce RTX 4070" in capsys.readouterr().err
+    props.update(major=7, minor=0)
+    monkeypatch.delenv("NANOEULER_EMULATE")
+    with pytest.raises(pl.UserError, match=r"sm_70\) is older than the GPU engine supports: fp32 needs sm_75"):
+        nc._start_profile()
 
 
 def test_cuda_sources_take_the_rmsnorm_eps_from_pipeline():
