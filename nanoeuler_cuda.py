@@ -20,7 +20,8 @@ e.g. `python nanoeuler_cuda.py train small`, `python nanoeuler_cuda.py i "It was
 Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
 Sections (each begins with a bar and the same number and name):
-    1. GPU runtime: CuPy, launches, cuBLAS and cublasLt, CUDA graphs, the kernel registry
+    1. GPU runtime: CuPy, the device profile (and its emulation), launches, cuBLAS and cublasLt, CUDA graphs,
+       the kernel registry
     2. training kernels: embedding, RMSNorm, RoPE, SwiGLU, cross-entropy, attention (fp32 flash,
        bf16 tensor-core flash, naive), each beside its launcher
     3. model: DeviceParams, Model (forward, backward)
@@ -64,7 +65,7 @@ def _distributed():
 
 # ----------------------------------------------------------------------------------------------------
 # 1. GPU runtime: CuPy (imported lazily, so that the compile check and the error messages work without
-# it), launches, cuBLAS and cublasLt, CUDA graphs, and the kernel registry that compiles the sources
+# it), the device profile that every plan reads, launches, cuBLAS and cublasLt, CUDA graphs, and the kernel registry that compiles the sources
 
 cp = None          # the cupy module, once gpu() has run
 cublas = None      # cupy_backends.cuda.libs.cublas
@@ -2897,7 +2898,8 @@ def add_model_flags(p):
 
 
 def precision_of(a, cfg):
-    """add_model_flags' precision: as asked (an error where cfg cannot run it), else bf16 where it can."""
+    """add_model_flags' precision: as asked (an error where cfg or the device cannot run it), else bf16 where
+    it can (the callers have run gpu(): the device's profile is known)."""
     return check_precision(a.precision or "bf16", cfg, a.attn, explicit=a.precision is not None)
 DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
 
@@ -5436,6 +5438,8 @@ def cmd_bench(argv):
     if group is not None:                           # one rank of bench --gpus N
         group.run(lambda: bench_scaling(a, cfg, batches, T, precisions if a.precision else precisions[:1], group))
     name = device().name
+    precisions = list(dict.fromkeys(check_precision(w, cfg, "flash", explicit=a.precision is not None)
+                                    for w in precisions))    # again, with the device's profile (sm_75: fp32)
     if a.only == "generation":                      # a mode returns None on success (an int is an exit status)
         bench_json(a.json, device=name, config=a.config, generation=print_bench_generation(a, cfg))
         return
