@@ -65,7 +65,8 @@ def _distributed():
 
 # ----------------------------------------------------------------------------------------------------
 # 1. GPU runtime: CuPy (imported lazily, so that the compile check and the error messages work without
-# it), the device profile that every plan reads, launches, cuBLAS and cublasLt, CUDA graphs, and the kernel registry that compiles the sources
+# it), the device profile that every plan reads, launches, cuBLAS and cublasLt, CUDA graphs, and the kernel
+# registry that compiles the sources
 
 cp = None          # the cupy module, once gpu() has run
 cublas = None      # cupy_backends.cuda.libs.cublas
