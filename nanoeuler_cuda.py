@@ -3142,6 +3142,8 @@ def train(a, defaults, resume, group=None):
     """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
     gpu()
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    if a.batch == "auto" and group is not None:     # ranks could size it apart, and their steps would not meet
+        raise UserError("--batch auto sizes one GPU's batch; with --gpus give --batch N (per GPU)")
     if a.batch == "auto":                           # a resumed run keeps its own batch
         a.batch = None if resume else auto_batch(a, defaults)
     with _distributed().rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
