@@ -557,8 +557,8 @@ def launch(kernel, grid, block, args, shared_mem=0):
     the kernel may start while the stream's previous kernel still runs, and must dep_wait() (COMMON) before
     it reads what that kernel writes. The decode step's kernels start early to load their weights. Where
     cuLaunchKernelEx is missing, or before sm_90 (PROFILE.pdl), a plain launch: the same results, without the
-    overlap. args: CuPy arrays,
-    numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed), NULL for a null pointer."""
+    overlap. args: CuPy arrays, numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed),
+    NULL for a null pointer."""
     global _launch_ex
     if _launch_ex is None:
         import ctypes
@@ -3049,13 +3049,13 @@ def memory_estimate(cfg, B, T, precision="bf16", attn="flash", accum=1, prof=Non
     rms = -(-N // (4 * max(1, min(16, -(-N // 4096))))) * D * 4                 # rms_part_rows(N) x D fp32
     if bf:
         chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
-        per_row = (L * (D * 4 + D * 4 + 2 * D * 2 + 2 * 4 + S * 2 + Cq * 2 + Hq * 4 / 1 + 2 * F * 2 + F * 2)
+        per_row = (L * (D * 4 + D * 4 + 2 * D * 2 + 2 * 4 + S * 2 + Cq * 2 + Hq * 4 + 2 * F * 2 + F * 2)
                    + D * 4 + D * 2 + 4 + K * 4 + D * 2                                  # xs[L], hf, rf, rowloss, tmp
-                   + D * 4 + 3 * D * 2 + Cq * 2 + S * 2 + F * 2 + Hq * 4)           # dx, dxb, dh, da, dqkv, dact, D
+                   + D * 4 + 2 * D * 2 + Cq * 2 + S * 2 + F * 2 + Hq * 4)           # dx, dxb, dh, da, dqkv, dact, D
         acts = N * per_row + 2 * chunk * K * V * 2 + B * Hq * nt * (nt + 1) // 2 * 8192
     else:
-        per_row = (L * (4 * D + 2 * 4 + S + Cq + 2 * F + F) + D + 1 + K * V + K + D   # xs, xm, h1, h2, r, ..
-                   + 3 * D + S + Cq + F + Hq) * 4 + (L * Hq * 4 if attn == "flash" else 0)
+        per_row = (L * (4 * D + 2 + S + Cq + 2 * F + F) + D + D + 1 + K * V + K + D   # layers; xs[L], hf, rf,
+                   + 2 * D + Cq + S + F + Hq) * 4 + (L * Hq * 4 if attn == "flash" else 0)  # logits, .. dx, dh, ..
         acts = N * per_row + (nt * N * Cq * 4 if attn == "flash" else 0)
         if attn == "naive":                                                           # probs, naive_scratch
             acts += (L + 1) * B * Hq * T * T * 4 + B * T * hd * 4 * (4 * Hq + 4 * cfg.n_kv_heads)
