@@ -20,7 +20,8 @@ e.g. `python nanoeuler_cuda.py train small`, `python nanoeuler_cuda.py i "It was
 Each mode's --help lists its flags and their defaults. Configs: tiny, small, medium, big, large.
 
 Sections (each begins with a bar and the same number and name):
-    1. GPU runtime: CuPy, launches, cuBLAS and cublasLt, CUDA graphs, the kernel registry
+    1. GPU runtime: CuPy, the device profile (and its emulation), launches, cuBLAS and cublasLt, CUDA graphs,
+       the kernel registry
     2. training kernels: embedding, RMSNorm, RoPE, SwiGLU, cross-entropy, attention (fp32 flash,
        bf16 tensor-core flash, naive), each beside its launcher
     3. model: DeviceParams, Model (forward, backward)
@@ -41,7 +42,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -64,7 +65,8 @@ def _distributed():
 
 # ----------------------------------------------------------------------------------------------------
 # 1. GPU runtime: CuPy (imported lazily, so that the compile check and the error messages work without
-# it), launches, cuBLAS and cublasLt, CUDA graphs, and the kernel registry that compiles the sources
+# it), the device profile that every plan reads, launches, cuBLAS and cublasLt, CUDA graphs, and the kernel
+# registry that compiles the sources
 
 cp = None          # the cupy module, once gpu() has run
 cublas = None      # cupy_backends.cuda.libs.cublas
@@ -91,7 +93,146 @@ def gpu():
     cp, cublas = cupy, _cublas
     _handle = cupy.cuda.device.get_cublas_handle()
     _probe_scalar_convention()
+    _start_profile()
     return cp
+
+
+# --- the device profile: the figures every launch plan reads (SMs, shared memory, memory, peak), read once by
+#     gpu(). NANOEULER_EMULATE=<key of EMULATE> replaces it by that GPU's published figures, never above the real
+#     device's: an H200 then plans grids, tiles and shared memory as that GPU would, its memory caps CuPy's pool,
+#     its peak is MFU's. The planners (flash_fits, matvec_plan, attn_chunk, memory_estimate, ...) are functions
+#     of (profile, shapes) alone, so a CPU test checks them for every profile. ---
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    cc: tuple              # compute capability (major, minor)
+    sms: int               # multiProcessorCount
+    smem_block: int        # bytes of shared memory a block may opt in to, static included (sharedMemPerBlockOptin)
+    smem_sm: int           # bytes of shared memory an SM has (sharedMemPerMultiprocessor)
+    threads_sm: int        # maxThreadsPerMultiProcessor
+    regs_sm: int           # regsPerMultiprocessor
+    l2: int                # l2CacheSize, bytes
+    total: int             # device memory, bytes
+    free: int              # free at start-up, bytes (emulated: what the emulated GPU would have free, the pool's cap)
+    peak_tflops: float     # dense bf16 tensor-core peak, fp32 accumulation (fp16 before sm_80): MFU's denominator
+    emulated: bool = False
+
+    @property
+    def bf16(self):
+        """bf16 tensor cores, cp.async and TF32: sm_80 on; before it the engine runs fp32."""
+        return self.cc >= (8, 0)
+
+    @property
+    def pdl(self):
+        """Programmatic dependent launch (griddepcontrol): sm_90 on."""
+        return self.cc >= (9, 0)
+
+    @property
+    def arch(self):
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+
+MIN_CC = (7, 5)     # the oldest chip whose kernels the CI compiles (fp32 only); bf16 and tf32 from sm_80
+MiB, GiB = 1 << 20, 1 << 30
+# Published figures. Shared memory a block (opt-in) / an SM, threads and registers an SM: the CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability" (7.5: 64 / 64 KB, 1024 threads; 8.0:
+# 163 / 164 KB, 2048; 8.6 and 8.9: 99 / 100 KB, 1536; 9.0: 227 / 228 KB, 2048; 64K registers an SM on all).
+# SMs, L2 and memory (as nvidia-smi reports it): NVIDIA's whitepapers and datasheets (GA100 / A100 40 GB SXM4:
+# 108 SMs, 40 MB L2; GA102 / RTX 3090: 82 SMs, 6 MB, 24 GB; Ada / RTX 4070 (AD104): 46 SMs, 36 MB, 12 GB; L4
+# (AD104): 58 SMs, 48 MB, 24 GB; Turing / T4: 40 SMs, 4 MB, 16 GB; H200 SXM: 132 SMs, 50 MB, 141 GB).
+# free = total less ~0.5 GiB (the CUDA context and libraries). Peaks: PEAKS.
+EMULATE = {key: DeviceProfile(name, cc, sms, sb << 10, ss << 10, th, 65536, l2 * MiB, tot * MiB, (tot - 512) * MiB,
+                              peak)
+           for key, name, cc, sms, sb, ss, th, l2, tot, peak in (
+               ("rtx4070", "NVIDIA GeForce RTX 4070", (8, 9), 46, 99, 100, 1536, 36, 12282, 58.3),
+               ("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 82, 99, 100, 1536, 6, 24268, 71.0),
+               ("a100", "NVIDIA A100-SXM4-40GB", (8, 0), 108, 163, 164, 2048, 40, 40536, 312.0),
+               ("l4", "NVIDIA L4", (8, 9), 58, 99, 100, 1536, 48, 23034, 121.0),
+               ("t4", "Tesla T4", (7, 5), 40, 64, 64, 1024, 4, 15360, 65.0),
+               ("h200", "NVIDIA H200", (9, 0), 132, 227, 228, 2048, 50, 143771, 989.0))}
+
+# Dense bf16 tensor-core peaks with fp32 accumulation, TFLOP/s, by compute capability and a part of the name
+# (the first row that matches); sparse figures halved. Sources: H100 datasheet (SXM 1,979, PCIe 1,513, NVL
+# 1,671 sparse), H200 datasheet (1,979 sparse), A100 datasheet (312 dense), A30 datasheet (330 sparse), A40
+# datasheet (299.4 sparse), GA102 whitepaper (RTX 3090: 71 dense with fp32 accumulate), L40 datasheet (724
+# sparse), L4 datasheet (242 sparse), Ada whitepaper (RTX 4090: 165.2 dense with fp32 accumulate; the RTX 4070
+# at the same 512 FLOP an SM and clock: 46 SMs x 2.475 GHz x 512 = 58.3; 29 TFLOP/s is its fp32 CUDA-core rate,
+# not its tensor cores'), T4 datasheet (65 fp16/fp32 mixed).
+PEAKS = (((9, 0), "PCIe", 756.0), ((9, 0), "NVL", 835.0), ((9, 0), "", 989.0),
+         ((8, 0), "A30", 165.0), ((8, 0), "", 312.0),
+         ((8, 6), "A40", 149.7), ((8, 6), "RTX 3090", 71.0),
+         ((8, 9), "L40", 362.0), ((8, 9), "L4", 121.0), ((8, 9), "RTX 4090", 165.2), ((8, 9), "RTX 4070", 58.3),
+         ((7, 5), "T4", 65.0))
+# elsewhere: FLOP an SM and clock x SMs x clock (the rows above at their boost clocks: A100 2048, H100 4096,
+# GeForce Ampere and Ada 512 with fp32 accumulation (their data-center parts twice that), Turing 512)
+PEAK_PER_SM_CLOCK = {(7, 5): 512, (8, 0): 2048, (8, 6): 512, (8, 7): 512, (8, 9): 512, (9, 0): 4096}
+
+
+def peak_tflops(cc, name, sms, clock_khz):
+    """The device's dense bf16 peak (PEAKS, else PEAK_PER_SM_CLOCK), TFLOP/s; 0 where neither knows it."""
+    for c, part, tf in PEAKS:
+        if c == cc and part in name:
+            return tf
+    rate = PEAK_PER_SM_CLOCK.get(cc, PEAK_PER_SM_CLOCK[max(PEAK_PER_SM_CLOCK)] if cc > max(PEAK_PER_SM_CLOCK) else 0)
+    return rate * sms * clock_khz * 1e3 / 1e12
+
+
+def emulate(real, key):
+    """The profile of EMULATE[key] as run on the real device: its limits, never above the real one's (its
+    kernels run there); free, what that GPU has free alone (several emulated runs may share one device)."""
+    if not key:
+        return real
+    if key not in EMULATE:
+        raise UserError(f"NANOEULER_EMULATE={key}: no such profile; use one of {', '.join(EMULATE)} (or unset it)")
+    e = EMULATE[key]
+    lim = lambda f: min(getattr(e, f), getattr(real, f))
+    return DeviceProfile(f"{e.name} (emulated on {real.name})", min(e.cc, real.cc), e.sms, lim("smem_block"),
+                         lim("smem_sm"), lim("threads_sm"), lim("regs_sm"), e.l2, lim("total"),
+                         min(e.free, real.free), e.peak_tflops, True)
+
+
+PROFILE = None      # the device's DeviceProfile, once gpu() has run
+
+
+def device():
+    """The profile of this process's device (gpu() reads it once)."""
+    gpu()
+    return PROFILE
+
+
+def _start_profile():
+    """Reads the device's profile once (emulated where NANOEULER_EMULATE says), caps the memory pool under
+    emulation, and refuses a chip older than MIN_CC with one line."""
+    global PROFILE
+    rt = cp.cuda.runtime
+    dev = cp.cuda.Device().id
+    p = rt.getDeviceProperties(dev)
+
+    def prop(key, attr):         # getDeviceProperties' field, else cudaDeviceGetAttribute's (cudaDeviceAttr number)
+        v = p.get(key)
+        return int(v) if v is not None else int(rt.deviceGetAttribute(attr, dev))
+    name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+    cc, sms = (prop("major", 75), prop("minor", 76)), prop("multiProcessorCount", 16)
+    try:
+        clock = prop("clockRate", 13)                                  # kHz (not in CUDA 13's cudaDeviceProp)
+    except Exception:
+        clock = 0
+    free, total = rt.memGetInfo()
+    real = DeviceProfile(name, cc, sms, prop("sharedMemPerBlockOptin", 97), prop("sharedMemPerMultiprocessor", 81),
+                         prop("maxThreadsPerMultiProcessor", 39), prop("regsPerMultiprocessor", 82),
+                         prop("l2CacheSize", 38), int(total), int(free), peak_tflops(cc, name, sms, clock))
+    prof = emulate(real, os.environ.get("NANOEULER_EMULATE", "").strip().lower())
+    if prof.cc < MIN_CC:
+        raise UserError(f"this GPU ({name}, sm_{cc[0]}{cc[1]}) is older than the GPU engine supports: fp32 needs "
+                        f"sm_{MIN_CC[0]}{MIN_CC[1]} (T4, RTX 20 series), bf16 and tf32 sm_80 (A100, RTX 30/40 series, "
+                        "L4, H100); the CPU engine nanoeuler.py runs anywhere")
+    if prof.emulated:
+        cp.get_default_memory_pool().set_limit(size=prof.free)
+        print(f"[emulating {prof.name}: {prof.sms} SMs, {prof.smem_block >> 10} KB shared memory a block, "
+              f"{prof.free / GiB:.1f} of {prof.total / GiB:.1f} GiB free, {prof.peak_tflops:g} TFLOP/s bf16]",
+              file=sys.stderr)
+    PROFILE = prof
 
 
 _scalar_by_pointer = False      # CuPy 14's cuBLAS bindings take alpha/beta as host pointers, older ones as floats
@@ -415,8 +556,9 @@ def launch(kernel, grid, block, args, shared_mem=0):
     """kernel<<<grid, block, shared_mem>>>(*args) on the current stream, as a programmatic dependent launch:
     the kernel may start while the stream's previous kernel still runs, and must dep_wait() (COMMON) before
     it reads what that kernel writes. The decode step's kernels start early to load their weights. Where
-    cuLaunchKernelEx is missing, a plain launch: the same results, without the overlap. args: CuPy arrays,
-    numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed), NULL for a null pointer."""
+    cuLaunchKernelEx is missing, or before sm_90 (PROFILE.pdl), a plain launch: the same results, without the
+    overlap. args: CuPy arrays, numpy int32 / float32 / int64 scalars (as the kernel's parameters are typed),
+    NULL for a null pointer."""
     global _launch_ex
     if _launch_ex is None:
         import ctypes
@@ -438,7 +580,7 @@ def launch(kernel, grid, block, args, shared_mem=0):
         except (OSError, AttributeError):
             pass
     fn, Config, attr, ctypes = (_launch_ex + [None] * 3)[:4]
-    if fn is None:
+    if fn is None or not PROFILE.pdl:
         return kernel(grid, block, args, shared_mem=shared_mem)
     c = {np.int32: ctypes.c_int, np.float32: ctypes.c_float, np.int64: ctypes.c_longlong, np.uint64: ctypes.c_uint64}
     vals = [ctypes.c_void_p(a.data.ptr) if hasattr(a, "data") and hasattr(a.data, "ptr") else c[type(a)](a)
@@ -452,11 +594,21 @@ def launch(kernel, grid, block, args, shared_mem=0):
         raise RuntimeError(f"cuLaunchKernelEx failed with error {err}")
 
 
+STATIC_SMEM = 1 << 10     # bytes a block's static shared memory may take beside its dynamic (matvec's: 768)
+
+
+def smem_fits(dynamic, prof=None):
+    """Whether a block of `dynamic` bytes of dynamic shared memory (and static up to STATIC_SMEM) fits the
+    device (prof, default PROFILE): the test every planner makes before it asks."""
+    return dynamic + STATIC_SMEM <= (prof or PROFILE).smem_block
+
+
 def shared_memory(kernel, smem):
     """Lets kernel take smem bytes of dynamic shared memory, and asks for the largest shared-memory carveout:
     an SM set up for one small kernel's blocks cannot take the next kernel's beside them, so the decode
     step's kernels would not start early (a big decode step: 362 -> 298 us). Only raised: a captured
-    graph keeps its launches."""
+    graph keeps its launches. smem was planned to fit (smem_fits)."""
+    assert smem_fits(smem), f"{smem} bytes of shared memory planned beyond {PROFILE.name}'s {PROFILE.smem_block}"
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
         kernel.preferred_shared_memory_carveout = 100      # percent of the unified L1/shared memory
@@ -576,25 +728,51 @@ __device__ __forceinline__ void dep_trigger() {
 }
 // cp.async (sm_80+): 16-byte (or 4-byte) global -> shared copies without registers; src_bytes = 0 writes
 // zeros (the flash kernels' rows past T). fb_wait<N>: all but the N newest committed groups have landed.
+// Before sm_80 (the fp32 kernels on sm_75) a plain copy through registers, and commit and wait do nothing.
 __device__ __forceinline__ unsigned fb_sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void fb_cp16(void* dst, const void* src, int src_bytes) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) = src_bytes ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
 }
 __device__ __forceinline__ void fb_cp4(void* dst, const void* src, int src_bytes) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(fb_sa(dst)), "l"(src), "r"(src_bytes) : "memory");
+#else
+    *reinterpret_cast<unsigned*>(dst) = src_bytes ? *reinterpret_cast<const unsigned*>(src) : 0u;
+#endif
 }
-__device__ __forceinline__ void fb_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fb_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ void fb_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void fb_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
+}
 // bf16 as its bits (no cuda_bf16.h: NVRTC without CUDA's include folder compiles this too). Conversions
 // round to nearest even (cvt.rn); arithmetic is always fp32. x2: two adjacent elements in one 32-bit word,
 // the lower column in the low half.
 typedef unsigned short bf16;
 __device__ __forceinline__ float bf2f(bf16 v) { return __uint_as_float((unsigned)v << 16); }
 __device__ __forceinline__ bf16 f2bf(float f) {
+#if __CUDA_ARCH__ >= 800
     unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
+#else                                      // the same rounding in integers (a NaN stays a quiet NaN)
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (bf16)((u >> 16) | 0x40u) : (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 __device__ __forceinline__ unsigned pack_bf2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
     unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+#else
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+#endif
 }
 __device__ __forceinline__ float2 unpack_bf2(unsigned v) {
     return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
@@ -1508,6 +1686,7 @@ _smem_raised = set()
 
 def _smem_kernel(name, smem):
     """(kernel, smem): the kernel opted in to smem bytes of dynamic shared memory when that is over 48 KB."""
+    assert smem_fits(smem), f"{name}: {smem} bytes of shared memory beyond {PROFILE.name}'s {PROFILE.smem_block}"
     k = _k(name)
     if smem > 48 * 1024 and name not in _smem_raised:
         k.max_dynamic_shared_size_bytes = smem
@@ -2024,6 +2203,21 @@ _FLASH_BF16_SMEM = {"fwd": lambda hd: 5 * 64 * (hd + 8) * 2,
 FLASH_BF16_PAIR = 1            # dK/dV blocks take key tiles x and nkt-1-x: equal causal work per block
 
 
+def flash_fits(hd, bf16=False, train=True, prof=None):
+    """Whether the flash kernels (fp32, or bf16) of head dim hd fit the device's shared memory a block (fp32's
+    backward at hd 64 takes 102.5 KB: over the 99 KB of sm_86 / sm_89; bf16's dK/dV at hd 128, 103 KB)."""
+    sizes = _FLASH_BF16_SMEM if bf16 else _FLASH_SMEM
+    return all(smem_fits(f(hd), prof) for kind, f in sizes.items() if train or kind == "fwd")
+
+
+def attention_for(attn, cfg, bf16, train=True, prof=None):
+    """The attention a model runs: flash as asked, unless fp32 flash's tiles do not fit the device (naive then)."""
+    if attn == "flash" and not bf16 and cfg.head_dim in FLASH_HEAD_DIMS and not flash_fits(cfg.head_dim, False,
+                                                                                          train, prof):
+        return "naive"
+    return attn
+
+
 def _flash_bf16_kernel(kind, hd):
     if hd not in BF16_HEAD_DIMS:
         raise UserError(f"bf16 flash attention supports head dims 32, 64 and 128, not {hd} "
@@ -2200,18 +2394,24 @@ def check_precision(precision, cfg, attn, explicit=True):
     128, F even). Asked for explicitly, anything else is an error; as the default it falls back to tf32."""
     if precision not in PRECISIONS:
         raise UserError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
-    why = None
-    if precision == "bf16":
+    why, fallback, prof = None, "tf32", PROFILE
+    if prof is not None and precision != "fp32" and not prof.bf16:
+        why, fallback = (f"{precision} needs the tensor cores of sm_80 or newer (A100, RTX 30/40 series, L4, H100); "
+                         f"this GPU ({prof.name}, {prof.arch}) runs --precision fp32"), "fp32"
+    elif precision == "bf16":
         if attn != "flash":
             why = "the bf16 path runs flash attention only (--attn naive needs --precision tf32 or fp32)"
         elif cfg.head_dim not in BF16_HEAD_DIMS or cfg.ffn % 2:
             why = (f"bf16 flash attention supports head dims {', '.join(map(str, BF16_HEAD_DIMS))}, this config "
                    f"has {cfg.head_dim}; use --precision tf32 or fp32")
+        elif prof is not None and not flash_fits(cfg.head_dim, True, prof=prof):
+            why = (f"bf16 flash attention at head dim {cfg.head_dim} takes more shared memory a block than "
+                   f"{prof.name} has ({prof.smem_block >> 10} KB); use --precision tf32 or fp32")
     if why and explicit:
         raise UserError(why)
     if why:
-        print(f"precision: tf32, not the default bf16 ({why})", flush=True)
-        return "tf32"
+        print(f"precision: {fallback}, not the default {precision} ({why})", flush=True)
+        return fallback
     return precision
 
 
@@ -2231,6 +2431,10 @@ class Model:
         if attn == "flash" and not self.bf and cfg.head_dim not in (32, 64):
             raise UserError(f"fp32 flash attention supports head dims 32 and 64, this config has {cfg.head_dim} "
                             "(use --attn naive, or --precision bf16)")
+        if attention_for(attn, cfg, self.bf, train) != attn:
+            print(f"attention: naive, not flash (fp32 flash attention at head dim {cfg.head_dim} takes more shared "
+                  f"memory a block than {PROFILE.name} has, {PROFILE.smem_block >> 10} KB)", flush=True)
+            attn = "naive"
         self.cfg, self.B, self.T, self.attn, self.train, self.precision = cfg, B, T, attn, train, precision
         self.P = params if params is not None else DeviceParams(cfg)
         self.G = DeviceParams(cfg) if train else None
@@ -2600,7 +2804,7 @@ extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict
 def to_bf16(x, y):
     """y (bf16) = x (fp32), same number of elements."""
     assert x.size == y.size and y.dtype == BF
-    _k("to_bf16")((min(132 * 8, max(1, (x.size + 255) // 256)),), (256,), (x, y, np.int64(x.size)))
+    _k("to_bf16")((min(PROFILE.sms * 8, max(1, (x.size + 255) // 256)),), (256,), (x, y, np.int64(x.size)))
 
 
 class AdamW:
@@ -2670,7 +2874,7 @@ class AdamW:
         cfg = self.P.cfg
         head = (p, g, m, v) + ((pb,) if pb is not None else ())
         _k("adamw_bf16" if pb is not None else "adamw")(
-            (132 * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
+            (PROFILE.sms * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
                                         F32(self.eps), F32(self.wd), F32(self.clip),
                                         np.int64(self.layers_start - first), np.int64(self.layer_size),
                                         I32(cfg.n_layers), np.int64(self.ffn_off), I32(cfg.dim),
@@ -2857,7 +3061,7 @@ class Muon(AdamW):
             for _ in range(pl.MUON_NS_STEPS):
                 bmm_ex(A, X, X, tb=True)                                 # A = X X^T
                 bmm_ex(Bm, A, A, alpha=c)                                # c A^2
-                _k("muon_poly_bf16" if bf else "muon_poly_f32")((min(132 * 8, _blocks(A.size)[0]),), (256,),
+                _k("muon_poly_bf16" if bf else "muon_poly_f32")((min(PROFILE.sms * 8, _blocks(A.size)[0]),), (256,),
                                                                 (Bm, A, I32(r), np.int64(A.size), F32(a), F32(b)))
                 bmm_ex(Xn, Bm, X)                                        # (a I + b A + c A^2) X
                 X, Xn = Xn, X
@@ -2889,7 +3093,8 @@ def add_model_flags(p):
 
 
 def precision_of(a, cfg):
-    """add_model_flags' precision: as asked (an error where cfg cannot run it), else bf16 where it can."""
+    """add_model_flags' precision: as asked (an error where cfg or the device cannot run it), else bf16 where
+    it can (the callers have run gpu(): the device's profile is known)."""
     return check_precision(a.precision or "bf16", cfg, a.attn, explicit=a.precision is not None)
 DEFAULT_DATA = ("data/pretrain.bin", "data/web.txt", "data/gutenberg.txt")
 
@@ -2976,6 +3181,11 @@ class Trainer:
             self.hist[self.n, K:] = opt.norm
         self.n += 1
 
+    def mfu(self, tok_s):
+        """tokens/s (of all GPUs) as a fraction of their dense bf16 peak (the progress line's MFU)."""
+        peak = PROFILE.peak_tflops * 1e12 * self.world
+        return tok_s * pl.model_flops_per_token(self.model.cfg, self.model.T) / peak if peak else 0.0
+
     def any_rank(self, flag):
         """Several GPUs: True on every rank if flag is True on any (a collective)."""
         return self.dp.any(flag)
@@ -3018,6 +3228,95 @@ def make_trainer(P, B, T, attn, state=None, precision="bf16", accum=1, group=Non
 
 MUON_ZERO = ("--optim muon trains on one GPU: ZeRO-1 (--gpus N) shards AdamW's moments, and Muon's orthogonalisation "
              "needs whole matrices; drop --gpus or use --optim adamw")
+
+# --- memory: what a training run takes from the pool, estimated before its first step (an upper bound: the
+#     buffers of Model, DeviceParams and AdamW (or Muon) counted as they allocate them, then MEM_SLACK for what they do
+#     not count: cuBLAS's workspace, cublasLt's timing copies, the sampler, CuPy's rounding). Measured on an
+#     H200, big T=512 bf16: 5.44 GiB at B=16, 15.62 at B=64 (bench's peak) ---
+
+MEM_SLACK = (1.08, 512 * MiB)       # estimate = counted x 1.08 + 512 MiB
+
+
+def memory_estimate(cfg, B, T, precision="bf16", attn="flash", accum=1, prof=None, muon=False):
+    """Bytes of device memory a training run of (B, T) at this precision takes at its peak (see above); muon:
+    with Muon's scratch."""
+    N, D, F, V, L, K = B * T, cfg.dim, cfg.ffn, cfg.vocab, cfg.n_layers, cfg.n_mtp
+    Hq, hd = cfg.n_heads, cfg.head_dim
+    S, Cq, nt = (Hq + 2 * cfg.n_kv_heads) * hd, Hq * hd, (T + 63) // 64
+    n_par, bf = pl.num_params(cfg), precision == "bf16"
+    attn = attention_for(attn, cfg, bf, prof=prof or PROFILE or EMULATE["h200"])
+    weights = n_par * (4 * 4 + (2 if bf else 0) + (4 if accum > 1 else 0))   # P, G, m, v; bf16 copy; accum's G
+    if muon:                        # Muon.__init__'s X, Xn (its largest group) and A, Bm (its largest Gram batch)
+        sh = [sorted(dict(pl.param_shapes(cfg))[f"layers.0.{w}"]) for w in pl.MUON_MATRICES]
+        n = lambda r, c: sh.count([r, c]) * L
+        weights += 2 * (2 if bf else 4) * (max(n(r, c) * r * c for r, c in sh) + max(n(r, c) * r * r for r, c in sh))
+    rms = -(-N // (4 * max(1, min(16, -(-N // 4096))))) * D * 4                 # rms_part_rows(N) x D fp32
+    if bf:
+        chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
+        per_row = (L * (D * 4 + D * 4 + 2 * D * 2 + 2 * 4 + S * 2 + Cq * 2 + Hq * 4 + 2 * F * 2 + F * 2)
+                   + D * 4 + D * 2 + 4 + K * 4 + D * 2                                  # xs[L], hf, rf, rowloss, tmp
+                   + D * 4 + 2 * D * 2 + Cq * 2 + S * 2 + F * 2 + Hq * 4)           # dx, dxb, dh, da, dqkv, dact, D
+        acts = N * per_row + 2 * chunk * K * V * 2 + B * Hq * nt * (nt + 1) // 2 * 8192
+    else:
+        per_row = (L * (4 * D + 2 + S + Cq + 2 * F + F) + D + D + 1 + K * V + K + D   # layers; xs[L], hf, rf,
+                   + 2 * D + Cq + S + F + Hq) * 4 + (L * Hq * 4 if attn == "flash" else 0)  # logits, .. dx, dh, ..
+        acts = N * per_row + (nt * N * Cq * 4 if attn == "flash" else 0)
+        if attn == "naive":                                                           # probs, naive_scratch
+            acts += (L + 1) * B * Hq * T * T * 4 + B * T * hd * 4 * (4 * Hq + 4 * cfg.n_kv_heads)
+    return int((weights + acts + rms) * MEM_SLACK[0] + MEM_SLACK[1])
+
+
+def fit_batch(cfg, T, precision, attn, accum, free, prof=None, muon=False):
+    """The largest batch whose memory_estimate fits `free` bytes (0 if none)."""
+    lo, hi = 0, 1
+    while hi <= 1 << 16 and memory_estimate(cfg, hi, T, precision, attn, accum, prof, muon) <= free:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if memory_estimate(cfg, mid, T, precision, attn, accum, prof, muon) <= free else (lo, mid)
+    return lo
+
+
+AUTO_BATCH_MAX = 64     # --batch auto's ceiling: the batch the engine's speed was measured at (bench)
+
+
+def check_memory(cfg, B, T, precision, attn, accum, prof=None, muon=False):
+    """Before a run's first step: one line, where its memory_estimate exceeds the device's free memory, with
+    the largest batch that fits and the --grad-accum that keeps the sequences a step."""
+    prof = prof or device()
+    need = memory_estimate(cfg, B, T, precision, attn, accum, prof, muon)
+    if need <= prof.free:
+        return
+    what = (f"{pl.config_name(cfg)} at --batch {B} --seq {T} ({precision}) needs about {need / GiB:.1f} GiB of GPU "
+            f"memory, {prof.name} has {prof.free / GiB:.1f} GiB free")
+    fit, fit_acc = (fit_batch(cfg, T, precision, attn, n, prof.free, prof, muon) for n in (accum, max(accum, 2)))
+    if fit_acc < 1:
+        raise UserError(f"{what}: not even --batch 1 fits; lower --seq or train a smaller config")
+    seqs = B * accum
+    b = max(d for d in range(1, fit_acc + 1) if seqs % d == 0)
+    raise UserError(f"{what}: --batch {fit} fits at most; --batch {b} --grad-accum {seqs // b} keeps {seqs} "
+                    "sequences a step (or --batch auto)")
+
+
+def auto_batch(a, defaults):
+    """--batch auto of a fresh run: the largest batch up to AUTO_BATCH_MAX whose memory_estimate fits the free
+    memory, at the precision the run will take."""
+    import contextlib
+    import io
+    cfg = pl.get_config(a.config or defaults["config"])
+    T, attn = min(a.seq or defaults["seq"], cfg.ctx), a.attn or defaults["attn"]
+    with contextlib.redirect_stdout(io.StringIO()):         # train() says it once
+        precision = check_precision(a.precision or defaults["precision"], cfg, attn, explicit=a.precision is not None)
+    muon = (a.optim or defaults["optim"]) == "muon"
+    B = min(AUTO_BATCH_MAX, fit_batch(cfg, T, precision, attn, a.grad_accum or 1, device().free, muon=muon))
+    if B < 1:
+        raise UserError(f"--batch auto: not even one sequence of {T} tokens of {a.config or defaults['config']} fits "
+                        f"the {device().free / GiB:.1f} GiB free on {device().name}; lower --seq or train a smaller config")
+    need = memory_estimate(cfg, B, T, precision, attn, a.grad_accum or 1, muon=muon)
+    print(f"--batch auto: {B} (about {need / GiB:.1f} GiB of {device().free / GiB:.1f} GiB free)", flush=True)
+    return B
+
+
 PRECISION_WORDS = {"bf16": "bf16 mixed precision (fp32 master weights), bf16 tensor-core flash attention",
                    "tf32": "fp32 storage, TF32 matmuls", "fp32": "fp32, TF32 off"}
 
@@ -3027,7 +3326,8 @@ def cmd_train(argv, resume):
                   description="resume the run in --out" if resume else "pretrain (default: big on data/pretrain.bin, "
                   "data/web.txt or data/gutenberg.txt, the first that exists, else the embedded corpus)")
     defaults = dict(TRAIN_DEFAULTS, data=default_data())
-    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=defaults)
+    pl.add_train_flags(p, out=pl.RUN_DIRS["train"], defaults=defaults,
+                       auto_batch=f"auto: the largest batch up to {AUTO_BATCH_MAX} that fits the GPU's free memory")
     p.add_argument("--attn", choices=["flash", "naive"], help="attention kernel (default flash)")
     add_precision_flag(p, "bf16; a resumed run keeps its own")
     distributed = _distributed()
@@ -3049,6 +3349,10 @@ def train(a, defaults, resume, group=None):
     """cmd_train's run, on one GPU or as one rank of group (only rank 0 prints, evaluates, samples, writes)."""
     gpu()
     rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    if a.batch == "auto" and group is not None:     # ranks could size it apart, and their steps would not meet
+        raise UserError("--batch auto sizes one GPU's batch; with --gpus give --batch N (per GPU)")
+    if a.batch == "auto":                           # a resumed run keeps its own batch
+        a.batch = None if resume else auto_batch(a, defaults)
     with _distributed().rank_zero_first(group):       # rank 0 prepares (and caches) the data the others read
         P, tok, tokens, args, state, extra = pl.start_run(a, defaults, resume)
     if args["optim"] == "muon" and group is not None:
@@ -3060,10 +3364,12 @@ def train(a, defaults, resume, group=None):
     # only the default may fall back to tf32 where bf16 cannot run
     args["precision"] = check_precision(args["precision"], P.cfg, args["attn"],
                                         explicit=a.precision is not None or state is not None)
+    if world == 1:
+        check_memory(P.cfg, B, T, args["precision"], args["attn"], A, muon=args["optim"] == "muon")
     trainer = make_trainer(P, B, T, args["attn"], state, args["precision"], accum=A, group=group,
                            muon_ratio=args["muon_lr"] / args["lr"] if args["optim"] == "muon" else None)
-    line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, "
-            f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    line = (f"B={B} T={T}, {args['attn']} attention, {PRECISION_WORDS[args['precision']]}, {PROFILE.name} "
+            f"(MFU against {PROFILE.peak_tflops:g} TFLOP/s)")
     if world * A > 1:
         line += (f"; global batch {world * A * B} sequences: {world} GPU(s) x {A} micro-batch(es) x {B}"
                  + (", ZeRO-1" if world > 1 else ""))
@@ -3086,7 +3392,7 @@ def train(a, defaults, resume, group=None):
                   sample_fn=lambda step: pl.print_sample(tok, gen, "\n", 64, seed=step))
     sample = pl.print_sample(tok, gen, "\n", 100, seed=args["seed"])
     report = _evaluate().write_report(a.out, args, P.cfg, *val_fn(), sample, engine="GPU",
-                                   peak_tflops=PEAK_TFLOPS * world)
+                                   peak_tflops=PROFILE.peak_tflops * world)
     print(f"report: {report}")
 
 
@@ -3329,17 +3635,33 @@ def sgemm_nt(C, A, W, beta=0.0):
 MATVEC_SMEM = 64 << 10    # a matvec block's rows of W at most, in bytes: blocks of consecutive kernels share an SM
 
 
-def matvec_plan(U, K, sms=None):
+def matvec_smem(upb, K, R, norm=True):
+    """matvec's dynamic shared memory: the block's rows of W, the norm's weights, up to 8 rows of x'."""
+    return (upb * 2 + norm + min(R, 8)) * K * 4
+
+
+def matvec_plan(U, K, prof=None):
     """(units a block, warps splitting a unit's K) for W's U units of two rows of K: the units spread over
     the device's SMs, at most MATVEC_SMEM of W and 8 units a block (a unit a warp: with 10, two warps took
-    two and the rest waited, 7% of big's decode step); a block's 8 warps split each unit's K where it has
-    fewer than 8 units. A function of W's shape (and the device) alone: the sum order never depends on R."""
-    sms = sms or cp.cuda.Device().attributes["MultiProcessorCount"]
-    upb = max(1, min(-(-U // sms), MATVEC_SMEM // (8 * K), 8))
+    two and the rest waited, 7% of big's decode step), fewer where the block's shared memory (8 rows of x')
+    would not fit the device; a block's 8 warps split each unit's K where it has fewer than 8 units. None
+    where one unit does not fit (large's w2, K = 2816, on 99 KB): W then takes cuBLAS at every row count.
+    A function of W's shape and the device alone: the sum order never depends on R."""
+    prof = prof or PROFILE
+    upb = max(1, min(-(-U // prof.sms), MATVEC_SMEM // (8 * K), 8))
+    while upb > 1 and not smem_fits(matvec_smem(upb, K, 8), prof):
+        upb -= 1
+    if not smem_fits(matvec_smem(upb, K, 8), prof):
+        return None
     parts = 1
     while parts * 2 * upb <= 8 and K // 4 >= 32 * parts * 2:
         parts *= 2
     return upb, parts
+
+
+def matvec_fits(W):
+    """Whether a decode step multiplies by W (N, K) with matvec (else cuBLAS): matvec_plan."""
+    return matvec_plan(W.shape[0] // 2, W.shape[1]) is not None
 
 
 def matvec(out, x, W, epi="out", norm=None, rope=None, rec=None):
@@ -3354,11 +3676,10 @@ def matvec(out, x, W, epi="out", norm=None, rope=None, rec=None):
     assert out.shape == (R, N // 2 if epi == "glu" else N) and W.shape[1] == K and K % 4 == 0 and N % 2 == 0
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
     kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
-    upb, parts = matvec_plan(N // 2, K)
+    upb, parts = matvec_plan(N // 2, K)             # callers check matvec_fits
     k = _k(matvec_name(epi, parts))
     rc = min(R, MATVEC_ROWS)                                # rows a block
-    smem = (upb * 2 + (epi != "add") + min(R, 8)) * K * 4   # the block's rows of W; the norm's; 8 rows of x'
-    assert smem <= 227 << 10, f"matvec: K = {K} is too wide for shared memory"
+    smem = matvec_smem(upb, K, R, epi != "add")
     shared_memory(k, smem)
     launch(k, (-(-N // 2 // upb), -(-R // rc)), (256,),
            (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb), state, cos, sin, kc, vc,
@@ -3645,6 +3966,21 @@ def attn_warps(R, Hq, Hkv, hd):
     return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
 
 
+def attn_cached_smem(ch, hd):
+    """attn_cached's shared memory at ch keys a chunk: keys and values (rows padded by 8), scores, p."""
+    return ch * (2 * (hd + 8) + 2) * 4
+
+
+def attn_chunk(hd, R, prof=None, ch=None):
+    """Keys a chunk of attn_cached: 16 KB of keys (a few blocks), or ATTN_BATCH_CH (many blocks that share the
+    SMs), or ch (a Decoder's DECODER_CH), halved until the chunk fits the device's shared memory a block (hd
+    64: 256 keys, 146 KB, on an H200; 128 on 99 KB)."""
+    ch = ch or (min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH)
+    while ch > 8 and not smem_fits(attn_cached_smem(ch, hd), prof):
+        ch //= 2
+    return ch
+
+
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None):
     """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
     rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
@@ -3660,10 +3996,9 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None)
                       (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
     assert rope is None
     # keys a chunk: a few blocks (a Decoder's rows: DECODER_CH, by default as one row alone), or many that share
-    # the SMs
-    ch = min(16384 // hd, 1024) if R <= MATVEC_ROWS else ATTN_BATCH_CH
-    ch = (DECODER_CH or min(16384 // hd, 1024)) if rec is not None else ch
-    smem = ch * (2 * (hd + 8) + 2) * 4                      # keys and values (rows padded by 8), scores, p
+    # the SMs; either fitted to the device
+    ch = attn_chunk(hd, R) if rec is None else attn_chunk(hd, 1, ch=DECODER_CH)
+    smem = attn_cached_smem(ch, hd)
     k = _k(attn_cached_name(hd, out.dtype == BF))         # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
@@ -3800,12 +4135,20 @@ extern "C" __global__ void advance(int* state, int dpos, int dstep) {
 """)
 
 
+def sampling_smem(V):
+    """sample_tokens' shared memory: keys and ids of V rounded up to a power of two, the kept mass."""
+    return (2 * (1 << max(V - 1, 1).bit_length()) + V) * 4
+
+
 def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None):
     """One id per stream from logits (streams, >= V) by sampling's rule; see SAMPLING_SRC. rec (a Decoder's):
     one id per row of logits by its record's rule, u and seen row (sampling unused)."""
     streams, V = logits.shape[0], seen.shape[1]
+    smem = sampling_smem(V)
+    if not smem_fits(smem):
+        raise UserError(f"sampling from {V} ids takes {smem >> 10} KB of shared memory a block, over the "
+                        f"{PROFILE.smem_block >> 10} KB of {PROFILE.name}; generate with nanoeuler.py")
     Vp = 1 << max(V - 1, 1).bit_length()
-    smem = (2 * Vp + V) * 4
     k = _k("sample_tokens")
     shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
     launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
@@ -3927,7 +4270,7 @@ class Sampler:
         # a decode step of more than MATVEC_ROWS streams: bf16 weights and GEMM inputs, fp32 accumulation and
         # outputs (half the bytes of fp32 weights: 64 streams of big, 77K -> 94-100K tokens/s); the copy is
         # refreshed from P before each batch (a training run's sampler reads live weights)
-        self.Pb = DeviceParams(cfg, dtype=BF) if streams > MATVEC_ROWS and bf16 else None
+        self.Pb = DeviceParams(cfg, dtype=BF) if streams > MATVEC_ROWS and bf16 and PROFILE.bf16 else None
         if self.Pb is not None:                  # the products' bf16 inputs: RMSNorm's output, attention's, SwiGLU's
             self.hb, self.attb, self.actb = (cp.empty((streams, n), BF) for n in (D, Hq * hd, F))
         self.stream = cp.cuda.Stream()           # blocking: ordered with the default stream that training uses
@@ -3944,8 +4287,9 @@ class Sampler:
         R, cfg = x.shape[0], self.cfg
         rope = None if epi != "rope" else (self.kc[layer], self.vc[layer], self.cos, self.sin, self.state, rows,
                                            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-        if R <= MATVEC_ROWS or rec is not None:
+        if (R <= MATVEC_ROWS or rec is not None) and matvec_fits(self.P.rows(*names)):
             return matvec(out, x, self.P.rows(*names), epi, norm, rope, rec)
+        assert rec is None or epi != "rope", "a Decoder's qkv product takes matvec (its rows' slots and positions)"
         if norm is not None:
             h = self.hb[:R] if bf else self.h[:R]
             rmsnorm_fwd(x, norm, h, self.r[:R])
@@ -3973,7 +4317,7 @@ class Sampler:
         two logits nearly tie). rec (a Decoder's step, rows = 1): each stream's cache slot and position from
         its record, every product by matvec and every row's attention as a lone row's."""
         cfg, P, R = self.cfg, self.P, rows * streams
-        bf = not prefill and R > MATVEC_ROWS and rec is None
+        bf = not prefill and R > MATVEC_ROWS and rec is None and self.Pb is not None
         hd, Hq, Hkv, L = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.n_layers
         x, qkv = self.x[:R], self.qkv[:R]
         att, act = (self.attb[:R], self.actb[:R]) if bf else (self.att[:R], self.act[:R])
@@ -3983,7 +4327,7 @@ class Sampler:
             p = f"layers.{l}."
             self._linear(qkv, x, (p + "wq", p + "wv"), "out" if fold else "rope", P[p + "attn_norm"], l, rows, bf,
                          rec)
-            if prefill and hd in (32, 64):                                  # the prompt starts at 0
+            if prefill and hd in (32, 64) and flash_fits(hd, train=False):  # the prompt starts at 0
                 flash_fwd(qkv, att, self.lse[:Hq * rows].reshape(1, Hq, rows), 1, rows, Hq, Hkv, hd)
             else:
                 attn_cached(qkv, self.kc[l], self.vc[l], att, self.state, rows, Hq, Hkv, hd,
@@ -4054,7 +4398,7 @@ class Sampler:
         n = min(max_new, self.cfg.ctx - len(ids))
         key = ("plain", streams) + tuple(asdict(sampling).values())
         with self._on_stream():
-            if streams > MATVEC_ROWS:
+            if self.Pb is not None:
                 to_bf16(self.P.flat, self.Pb.flat)
             self._prefill(ids, streams, 1)
             if sampling.temperature > 0:         # the numbers the CPU engine draws, in its order
@@ -4191,7 +4535,10 @@ DECODER_MEMORY = 0.5                          # the part of the free device memo
 def decoder_capacity(cfg, free=None):
     """A Decoder's rows by default: the caches (and the prefill's) that DECODER_MEMORY of the device's free
     memory holds, at most DECODER_MAX."""
-    free = cp.cuda.runtime.memGetInfo()[0] if free is None else free
+    if free is None:
+        pool, free = cp.get_default_memory_pool(), cp.cuda.runtime.memGetInfo()[0]
+        if pool.get_limit():                            # an emulated profile caps the pool (_start_profile)
+            free = min(free, pool.get_limit() - pool.used_bytes())
     per = (2 * cfg.n_layers * cfg.n_kv_heads * (cfg.ctx + cfg.n_mtp) * cfg.head_dim + cfg.vocab) * 4
     return max(1, min(DECODER_MAX, int(free * DECODER_MEMORY) // per - 1))
 
@@ -4203,8 +4550,9 @@ class Decoder(Sampler):
     the Sampler gives that prompt alone. Row i's cache is stream i + 1; stream 0 takes each prompt's prefill
     (the Sampler's, as one stream), then its cache rows and seen ids are copied to the row's. A step runs the
     active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows past them: stream 0 at
-    position 0, greedy; what they write no live row reads), a CUDA graph each: every product by matvec and
-    every attention by attn_cached as a row alone takes them, then sample_tokens per row. Each row takes one
+    position 0, greedy; what they write no live row reads), a CUDA graph each: every product by matvec (cuBLAS
+    for a W whose matvec_plan does not fit the device, as the Sampler) and every attention by attn_cached as a
+    row alone takes them, then sample_tokens per row. Each row takes one
     uniform number a step (its first id too), greedy or not, the Sampler's numbers in its order: drawn at
     start, as many as the context leaves (rng.random(n) gives n calls' numbers; a call a row took ~0.2 ms a
     step at 64 rows). The host sends the rows' records and input ids in one copy and reads their ids back
@@ -4695,21 +5043,35 @@ def _find_nvrtc():
     return None, None
 
 
-def compile_check(arch="compute_90", verbose=False):
-    """-> (library path, [(module, ok, log)]) or (None, []) when no libnvrtc is found."""
+ARCHS = ("75", "80", "86", "89", "90")     # the chips CI compiles for: T4 / RTX 20, A100, RTX 30, RTX 40 / L4, H100
+BF16_MODULES = ("flash_bf16",)             # the tensor-core kernels (mma.sync bf16): sm_80 on, bf16 only
+
+
+def sources_for(arch):
+    """The modules the engine compiles on a chip of arch ("75", "sm_80", "compute_90"): every one from sm_80;
+    before it, all but the bf16 tensor-core kernels (the engine runs fp32 there)."""
+    cc = int(re.sub(r"\D", "", arch))
+    return {n: src for n, src in SOURCES.items() if cc >= 80 or n not in BF16_MODULES}
+
+
+def compile_check(arch="compute_90", verbose=False, options=(), jobs=1):
+    """-> (library path, [(module, ok, log)]) or (None, []) when no libnvrtc is found: sources_for(arch)
+    compiled for arch (compute_XX: PTX; sm_XX: machine code, where ptxas also checks each inline-PTX instruction
+    against the chip), with NVRTC_OPTIONS + options, on `jobs` threads (NVRTC runs outside the GIL)."""
     import ctypes
+    from concurrent.futures import ThreadPoolExecutor
     lib, path = _find_nvrtc()
     if lib is None:
         return None, []
-    results = []
-    for name, src in SOURCES.items():
+
+    def one(item):
+        name, src = item
         prog = ctypes.c_void_p()
         code = (COMMON + src).encode()
         rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, f"{name}.cu".encode(), 0, None, None)
         if rc:
-            results.append((name, False, f"nvrtcCreateProgram error {rc}"))
-            continue
-        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS] + (["--ptxas-options=-v"] if verbose else [])
+            return name, False, f"nvrtcCreateProgram error {rc}"
+        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options] + (["--ptxas-options=-v"] if verbose else [])
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -4717,8 +5079,10 @@ def compile_check(arch="compute_90", verbose=False):
         buf = ctypes.create_string_buffer(size.value + 1)
         lib.nvrtcGetProgramLog(prog, buf)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        results.append((name, rc == 0, buf.value.decode(errors="replace").strip()))
-    return path, results
+        return name, rc == 0, buf.value.decode(errors="replace").strip()
+    items = sorted(sources_for(arch).items(), key=lambda kv: -len(kv[1]))     # the longest first, for the threads
+    with ThreadPoolExecutor(max(1, jobs)) as ex:
+        return path, list(ex.map(one, items))
 
 
 # --- self-test: every kernel, forward and backward, against a float64 reference (nanoeuler's CPU layers
@@ -4861,7 +5225,7 @@ def selftest_checks(rng):
                    qkv[:, Cq + Ck:].reshape(N, Hkv, hd))
         out_r, lse_r, dq_r, dk_r, dv_r = _attn_ref(q, k, v, B, T, dout.reshape(N, Hq, hd))
         dqkv_r = np.concatenate([dq_r.reshape(N, Cq), dk_r.reshape(N, Ck), dv_r.reshape(N, Ck)], 1)
-        for kind in ("flash", "naive"):
+        for kind in ("flash", "naive") if flash_fits(hd) else ("naive",):     # as Model falls back
             g_qkv, out, dqkv = _d(qkv), _nan(N, Cq), _nan(N, Cq + 2 * Ck)
             if kind == "flash":
                 lse = _nan(B, Hq, T)
@@ -4911,7 +5275,8 @@ def selftest_checks(rng):
         errs[tf32] = max(e, rel_err(C, A @ Bm.transpose(0, 2, 1)))
     set_tf32(False)
     R.append(("gemm fp32 (cuBLAS, 4 transposes + batched)", errs[False], tol))
-    R.append(("gemm TF32 (must be > 1e-4: TF32 engaged)", errs[True], 1e-2 if errs[True] > 1e-4 else -1))
+    if PROFILE.bf16:                                     # no TF32 before sm_80
+        R.append(("gemm TF32 (must be > 1e-4: TF32 engaged)", errs[True], 1e-2 if errs[True] > 1e-4 else -1))
     return R
 
 
@@ -4982,7 +5347,7 @@ def selftest_generation(rng, randn, tol):
     cached = np.concatenate([cp.asnumpy(kc2[:, :, 7:10]).transpose(0, 2, 1, 3).reshape(ns * 3, Ck),
                              cp.asnumpy(vc2[:, :, 7:10]).transpose(0, 2, 1, 3).reshape(ns * 3, Ck)], 1)
     R.append(("  its k and v appended to the caches (bitwise)", float(np.abs(cached - cp.asnumpy(g[:, Cq:])).max()), 0.0))
-    for K in (200, 2048):                                # one warp a unit; 8 warps splitting K
+    for K in (200, 2048 if matvec_plan(35, 2048) else 1024):     # one warp a unit; 8 warps splitting K
         x, W, nw, x0 = randn(MATVEC_ROWS, K), randn(70, K), randn(K) * 0.5 + 1, randn(MATVEC_ROWS, 70)
         h = ne.rmsnorm_forward(x, nw)[0]
         tag = f"matvec K={K} ({matvec_plan(35, K)[1]} warps a unit)"
@@ -5196,6 +5561,8 @@ def selftest_checks_bf16(rng):
     # tensor-core flash attention (its backward with the RoPE backward): head dims 32, 64, 128, GQA, T not a tile
     # multiple; determinism
     for hd, Hq, Hkv, B, T in ((32, 4, 2, 2, 100), (64, 6, 2, 2, 130), (128, 4, 1, 1, 200)):
+        if not flash_fits(hd, True):                              # hd 128's dK/dV tile on 99 KB: check_precision
+            continue                                              # refuses bf16 there
         N, Cq, Ck = B * T, Hq * hd, Hkv * hd
         qkv, dout = _rb(randn(N, Cq + 2 * Ck) * 1.5), _rb(randn(N, Cq))
         q, k, v = (qkv[:, :Cq].reshape(N, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(N, Hkv, hd),
@@ -5314,10 +5681,10 @@ def cmd_selftest(argv):
     gpu()
     set_tf32(False)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
-    print(f"self-test on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, fresh inputs (seed {seed}), "
+    print(f"self-test on {PROFILE.name}, fresh inputs (seed {seed}), "
           f"outputs poisoned with NaN; error = max|gpu - ref| / max|ref| vs float64")
     rng = np.random.default_rng(seed)
-    rows = selftest_checks(rng) + selftest_checks_bf16(rng)
+    rows = selftest_checks(rng) + (selftest_checks_bf16(rng) if PROFILE.bf16 else [])
     ok = print_table(rows) and (path is None or all(ok for _, ok, _ in comp))
     print("self-test:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -5372,6 +5739,9 @@ def cmd_gradcheck(argv):
     rows, tol = [], GRADCHECK_TOL[a.precision]
     for tag, cfg, B, T, attn in (GRADCHECK_BF16 if a.precision == "bf16" else GRADCHECK):
         bf = a.precision == "bf16"
+        if bf and not flash_fits(cfg.head_dim, True):          # hd 128's dK/dV tile on 99 KB (check_precision)
+            print(f"{tag}: skipped, bf16 flash attention at head dim {cfg.head_dim} does not fit {PROFILE.name}")
+            continue
         P = gradcheck_params(cfg, rng, scale=0.05 if bf else 0.1, bf16=bf)
         x = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
         y = rng.integers(0, cfg.vocab, (B, T)).astype(np.int32)
@@ -5409,17 +5779,14 @@ def gradcheck_verdict(rows, name, what, precision):
 # attention forward + backward alone (flash bf16, flash fp32, naive). A step time is CUDA events around
 # --steps steps run back to back after 3 warm-up steps, as the training loop runs them (the host queues
 # ahead of the device); "host ms" is the time the host takes to queue one step on an idle device (the
-# launch overhead: a step would be launch-bound if it came near ms/step). MFU = model FLOPs / time /
-# 989 TFLOP/s, the dense bf16 peak of an H100/H200 SXM, for every precision, so the rows compare; model
+# launch overhead: a step would be launch-bound if it came near ms/step). MFU = model FLOPs / time / the
+# device's dense bf16 peak (PROFILE.peak_tflops: 989 TFLOP/s on an H100/H200 SXM), for every precision; model
 # FLOPs per token are pipeline.model_flops_per_token: 6 per matrix weight (all matrices, heads included,
 # no embedding or norms) + 12 * L * T * D for the attention products counted over the full T x T (the
 # PaLM convention: the causal half that is skipped still counts), so MFU is comparable across engines.
 # Peak memory is what the run took from CuPy's pool (everything is preallocated, so it is the peak).
 # Generation (bench_generation, section 6) and serve's batch without HTTP (bench_decoder) have tables of
 # their own.
-
-PEAK_TFLOPS = 989.0
-
 
 def _time(fn, reps, warmup=2):
     for _ in range(warmup):
@@ -5488,9 +5855,12 @@ def bench_attention(B=16, Hq=12, Hkv=4, T=512, hd=64, reps=20):
                                reps))
     qkv, dout = _d(qkv_h), _d(dout_h)
     out, dqkv, dqp = _nan(N, Cq), _nan(N, Cq + 2 * Ck), _nan((T + 63) // 64, N, Cq)
-    res["flash-fp32"] = (_time(lambda: flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd), reps),
-                         _time(lambda: (flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd),
-                                        flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd)), reps))
+    if not flash_fits(hd):                     # fp32 flash's backward tile at hd 64 is over 99 KB (sm_86, sm_89)
+        res["flash-fp32"] = (math.nan, math.nan)
+    else:
+        res["flash-fp32"] = (_time(lambda: flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd), reps),
+                             _time(lambda: (flash_fwd(qkv, out, lse, B, T, Hq, Hkv, hd),
+                                            flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd)), reps))
     dqp = None
     Pm, ws = _nan(B, Hq, T, T), naive_scratch(B, T, Hq, Hkv, hd)
     global NAIVE_TF32
@@ -5509,10 +5879,10 @@ def bench_scaling(a, cfg, batches, T, precisions, group):
     and MFU and peak pool memory per GPU."""
     gpu()
     W, P = group.world, pl.Params.init(cfg)
-    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = PROFILE.name
     fpt = pl.model_flops_per_token(cfg, T)
     print(f"bench --gpus {W} on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}; {a.steps} steps "
-          f"after 3 warm-up steps; tokens/s of all GPUs, MFU (vs {PEAK_TFLOPS:.0f} TFLOP/s) and peak memory per GPU",
+          f"after 3 warm-up steps; tokens/s of all GPUs, MFU (vs {PROFILE.peak_tflops:.0f} TFLOP/s) and peak memory per GPU",
           flush=True)
     rows = []
     for prec in precisions:
@@ -5522,7 +5892,7 @@ def bench_scaling(a, cfg, batches, T, precisions, group):
                 ms, peak, host, obj = bench_step(cfg, B, T, "flash", a.steps, prec, P, g)
                 n = 1 if g is None else W
                 runs.append(dict(gpus=n, ms=ms, tok_s=n * B * T / ms * 1e3, peak_gib=peak / 2 ** 30, host_ms=host,
-                                 mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS))
+                                 mfu=fpt * B * T / (ms / 1e3) / 1e12 / PROFILE.peak_tflops))
                 group.barrier()                     # every GPU alone first, then all together
             rows.append(dict(precision=prec, B=B, T=T, one=runs[0], all=runs[1],
                              speedup=runs[1]["tok_s"] / runs[0]["tok_s"]))
@@ -5539,7 +5909,7 @@ def bench_scaling(a, cfg, batches, T, precisions, group):
         best = max((r for r in rows if r["precision"] == prec), key=lambda r: r["one"]["tok_s"])
         print(f"{prec}: at the best single-GPU batch, B={best['B']}, {W} GPUs give {best['speedup']:.2f}x the tokens/s "
               f"of one ({best['all']['tok_s']:,.0f} against {best['one']['tok_s']:,.0f})")
-    bench_json(a.json if group.rank == 0 else None, device=name, gpus=W, config=a.config, T=T, peak_tflops=PEAK_TFLOPS,
+    bench_json(a.json if group.rank == 0 else None, device=name, gpus=W, config=a.config, T=T, peak_tflops=PROFILE.peak_tflops,
                rows=rows)
 
 
@@ -5594,8 +5964,9 @@ def cmd_bench(argv):
     group = distributed.join(a.gpus)
     if group is not None:                           # one rank of bench --gpus N
         group.run(lambda: bench_scaling(a, cfg, batches, T, precisions if a.precision else precisions[:1], group))
-    gpu()
-    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = device().name
+    precisions = list(dict.fromkeys(check_precision(w, cfg, "flash", explicit=a.precision is not None)
+                                    for w in precisions))    # again, with the device's profile (sm_75: fp32)
     if a.only == "generation":                      # a mode returns None on success (an int is an exit status)
         bench_json(a.json, device=name, config=a.config, generation=print_bench_generation(a, cfg))
         return
@@ -5603,25 +5974,30 @@ def cmd_bench(argv):
         bench_json(a.json, device=name, config=a.config, decoder=print_bench_decoder(a, cfg))
         return
     print(f"bench on {name}: {a.config} {cfg}, {pl.num_params(cfg):,} parameters, T={T}, flash attention; "
-          f"{a.steps} steps back to back after 3 warm-up steps; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (dense bf16 "
-          f"peak of an H100/H200 SXM) for every precision")
+          f"{a.steps} steps back to back after 3 warm-up steps; MFU against {PROFILE.peak_tflops:g} TFLOP/s (its dense bf16 "
+          f"peak) for every precision")
     fpt = pl.model_flops_per_token(cfg, T)
     rows = []
     for prec in precisions:
         for B in batches:
+            need = memory_estimate(cfg, B, T, prec, "flash")
+            if need > PROFILE.free:
+                print(f"  {prec} B={B}: skipped, needs about {need / GiB:.1f} GiB of the {PROFILE.free / GiB:.1f} free")
+                continue
             ms, peak, host, obj = bench_step(cfg, B, T, "flash", a.steps, prec)
             rows.append(dict(run=f"{prec} B={B}", precision=prec, attn="flash", B=B, T=T, ms=ms, tok_s=B * T / ms * 1e3,
-                             mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS, peak_gib=peak / 2 ** 30, host_ms=host))
+                             mfu=fpt * B * T / (ms / 1e3) / 1e12 / PROFILE.peak_tflops, peak_gib=peak / 2 ** 30, host_ms=host))
             print(f"  {prec} B={B}: {ms:.2f} ms/step, {B * T / ms * 1e3:,.0f} tokens/s, loss {obj:.3f}", flush=True)
-    if a.naive and "tf32" in precisions and cfg.head_dim in (32, 64):
+    if a.naive and "tf32" in precisions and cfg.head_dim in (32, 64) and \
+            memory_estimate(cfg, batches[0], T, "tf32", "naive") <= PROFILE.free:
         B = batches[0]
         ms, peak, host, obj = bench_step(cfg, B, T, "naive", a.steps, "tf32")
         rows.append(dict(run=f"tf32 B={B} naive attention", precision="tf32", attn="naive", B=B, T=T, ms=ms,
-                         tok_s=B * T / ms * 1e3, mfu=fpt * B * T / (ms / 1e3) / 1e12 / PEAK_TFLOPS,
+                         tok_s=B * T / ms * 1e3, mfu=fpt * B * T / (ms / 1e3) / 1e12 / PROFILE.peak_tflops,
                          peak_gib=peak / 2 ** 30, host_ms=host))
     set_tf32(False)
     att = bench_attention()
-    print(f"\ntraining step, {a.config}, T={T} (MFU vs {PEAK_TFLOPS:.0f} TFLOP/s; peak = CuPy pool bytes):")
+    print(f"\ntraining step, {a.config}, T={T} (MFU vs {PROFILE.peak_tflops:.0f} TFLOP/s; peak = CuPy pool bytes):")
     print(f"{'run':<30}{'ms/step':>9}{'tokens/s':>11}{'MFU':>7}{'peak GiB':>10}{'host ms':>9}")
     for r in rows:
         print(f"{r['run']:<30}{r['ms']:9.2f}{r['tok_s']:11,.0f}{100 * r['mfu']:6.1f}%{r['peak_gib']:10.2f}"
@@ -5636,7 +6012,7 @@ def cmd_bench(argv):
           f"{att['naive'][1] / att['flash-bf16'][1]:.1f}x (fwd+bwd)")
     gen = print_bench_generation(a, cfg) if a.only != "train" else None
     dec = print_bench_decoder(a, cfg) if a.only != "train" else None
-    bench_json(a.json, device=name, config=a.config, T=T, peak_tflops=PEAK_TFLOPS, rows=rows, attention=att,
+    bench_json(a.json, device=name, config=a.config, T=T, peak_tflops=PROFILE.peak_tflops, rows=rows, attention=att,
                generation=gen, decoder=dec)
 
 

@@ -1349,7 +1349,7 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
             rate = tokens_since_print / (now - t_print)
             t_print, tokens_since_print = time.time(), 0
             msg = (f"step {step:5d}/{steps} | loss {ces[0]:.4f} | lr {lr:.2e} | {rate:,.0f} tok/s | "
-                   f"ETA {eta / 60:.1f} min")
+                   + (f"MFU {trainer.mfu(rate):.1%} | " if hasattr(trainer, "mfu") else "") + f"ETA {eta / 60:.1f} min")
             if evaluating:
                 msg += f" | val loss {rec['val_loss']:.4f}" + (f" | val bpb {rec['val_bpb']:.3f}" if "val_bpb" in rec else "")
             print(msg, flush=True)
@@ -1553,10 +1553,16 @@ def prompt_arg(a):
     return next((t for t in (a.prompt, a.prompt_flag) if t is not None), "\n")
 
 
-def add_train_flags(p, out, defaults, lr_note=""):
+def batch_or_auto(v):
+    """--batch's value where the engine sizes the batch itself: a whole number or 'auto'."""
+    return v if v == "auto" else int(v)
+
+
+def add_train_flags(p, out, defaults, lr_note="", auto_batch=None):
     """The flags of a training run (both engines); those not given come from defaults or, when resuming,
     from the checkpoint's run. lr_note: what follows the default rate in --lr's help, where it depends on the
-    config (" for small, 0.001 for the other configs")."""
+    config (" for small, 0.001 for the other configs"). auto_batch: what --batch auto does, where the engine
+    has it (the GPU's)."""
     d = defaults
     add_config_arg(p, d["config"])
     p.add_argument("--data", help="a UTF-8 text file, or a uint16 .bin token file with its .bpe beside it "
@@ -1572,8 +1578,12 @@ def add_train_flags(p, out, defaults, lr_note=""):
              "ckpt_minutes": "checkpoint too when N minutes of training have passed since the last one, so a crash "
                              "loses at most that (0: by steps only)",
              "log_every": "progress line every N steps"}
+    if auto_batch:
+        helps["batch"] += f"; {auto_batch}"
     for name, text in helps.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(d[name]), metavar="X" if name == "lr" else "N",
+        auto = auto_batch and name == "batch"
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=batch_or_auto if auto else type(d[name]),
+                       metavar="X" if name == "lr" else "N|auto" if auto else "N",
                        help=f"{text} (default {d[name]}{lr_note if name == 'lr' else ''})")
     p.add_argument("--optim", choices=OPTIMS, help="adamw: AdamW on every tensor; muon: Muon on the blocks' matrices "
                    "at --muon-lr, AdamW at --lr on the embedding, norms and heads (CONTRACT.md; a resume keeps the "

@@ -114,6 +114,19 @@ def test_every_flag_has_help_with_its_default(monkeypatch):
             assert a.help and "default" in a.help, (prog, a.option_strings)
 
 
+def test_gpu_train_takes_batch_auto(monkeypatch):
+    """The GPU engine's --batch is a whole number or auto (documented in --help); the CPU engine's a number."""
+    parsers = _parsers(monkeypatch)
+    monkeypatch.undo()
+    p, cpu = parsers["nanoeuler_cuda.py train"], parsers["nanoeuler.py train"]
+    assert p.parse_args(["--batch", "auto"]).batch == "auto" and p.parse_args(["--batch", "8"]).batch == 8
+    with pytest.raises(pl.UserError, match="--batch"):
+        p.parse_args(["--batch", "most"])
+    assert "auto: the largest batch" in " ".join(p.format_help().split())
+    with pytest.raises(pl.UserError, match="--batch"):
+        cpu.parse_args(["--batch", "auto"])
+
+
 def test_every_cli_answers_help():
     for script, args in (("nanoeuler.py", []), ("nanoeuler.py", ["train"]), ("nanoeuler_cuda.py", []),
                          ("nanoeuler_cuda.py", ["train"]), ("nanoeuler_cuda.py", ["t"]), ("bpe.py", []),
