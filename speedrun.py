@@ -163,7 +163,7 @@ def stage_data(plan, run):
     if not os.path.isfile(plan["hellaswag"]):
         try:
             shell(["bash", os.path.join(HERE, "data", "get_hellaswag.sh")], env=dict(os.environ, OUT=plan["hellaswag"]))
-        except Failed:
+        except pl.UserError:
             print("note: HellaSwag did not download; the evaluation skips it")
     return dict(text=d["text"], mb=round(os.path.getsize(d["text"]) / 1e6, 1))
 
@@ -174,8 +174,8 @@ def shell(cmd, env=None):
     for line in p.stdout:
         print(line, end="", flush=True)
     if p.wait():
-        print(f"{' '.join(cmd)} failed (exit {p.returncode})")
-        raise Failed(p.returncode)
+        raise pl.UserError(f"{' '.join(cmd)} failed (exit {p.returncode}; its output is above and in the stage's log); "
+                           "fix it and run again, or go offline with --offline or --data FILE")
 
 
 def stage_tokenizer(plan, run):
@@ -205,7 +205,7 @@ def stage_pretrain(plan, run, tokenizer, log):
     else:
         mode(plan, "train", plan["config"], "--data", tokenizer["bin"], "--out", out, "--force", "--steps", steps,
              "--batch", plan["batch"], "--seq", plan["seq"], "--warmup", max(1, min(200, steps // 20)),
-             "--eval-every", max(1, steps // 10), "--log-every", max(1, min(50, steps // 10)), "--sample-every", 0,
+             "--eval-every", max(5, steps // 10), "--log-every", max(1, min(50, steps // 10)), "--sample-every", 0,
              "--ckpt-every", steps, "--ckpt-minutes", CKPT_MINUTES)
     recs = pl.read_log(out)
     v = last(recs, "val_loss")

@@ -19,8 +19,11 @@ FIXTURE = ROOT / "data" / "fixtures" / "hellaswag_val.jsonl"      # 5 items
 
 @pytest.fixture
 def args(tmp_path, monkeypatch):
-    """The speedrun's flags with a batch of 4 x 64 (seconds, not minutes) and 24 SFT examples and DPO pairs."""
+    """The speedrun's flags with batches of 4 x 64 to pretrain and 2 to fine-tune (seconds, not minutes), 24 SFT
+    examples and 24 DPO pairs."""
     monkeypatch.setitem(speedrun.SETUPS, ("cpu", "small"), (4, 64, 16_000, "test: a tiny batch"))
+    monkeypatch.setitem(pl.SFT_DEFAULTS, "cpu", dict(pl.SFT_DEFAULTS["cpu"], batch=2))   # the engines' defaults
+    monkeypatch.setitem(pl.DPO_DEFAULTS, "batch", 2)                                   # of the sft and dpo flags
     sft, prefs = tmp_path / "sft.json", tmp_path / "prefs.jsonl"
     sft.write_text(json.dumps(pl.builtin_sft_examples()[:24]))
     prefs.write_text("".join(json.dumps(p) + "\n" for p in pl.builtin_prefs()[:24]))
