@@ -165,12 +165,15 @@ def stage_data(plan, run):
             shell(["bash", os.path.join(HERE, "data", "get_hellaswag.sh")], env=dict(os.environ, OUT=plan["hellaswag"]))
         except pl.UserError:
             print("note: HellaSwag did not download; the evaluation skips it")
-    return dict(text=d["text"], mb=round(os.path.getsize(d["text"]) / 1e6, 1))
+    return dict(text=d["text"], mb=round(os.path.getsize(d["text"]) / 1e6, 2))
 
 
 def shell(cmd, env=None):
     """A command whose output goes to this process's stdout (and so to the stage's log)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    except OSError as e:
+        raise pl.UserError(f"{cmd[0]}: {e.strerror}; install it, or go offline with --offline or --data FILE") from None
     for line in p.stdout:
         print(line, end="", flush=True)
     if p.wait():
