@@ -81,8 +81,7 @@ def make_plan(a):
         raise pl.UserError(f"no speedrun setup for {config} on the {engine.upper()}; the setups are "
                            + ", ".join(f"{c} ({e})" for e, c in SETUPS))
     batch, seq, rate, source = SETUPS[engine, config]
-    rate = a.rate or rate
-    source = "--rate" if a.rate else source
+    rate, source = (a.rate, "--rate") if a.rate is not None else (rate, source)
     if not (0 < a.budget_minutes < math.inf and 0 < rate < math.inf and 0 <= a.price < math.inf):
         raise pl.UserError("--budget-minutes, --rate and --price: give positive, finite numbers")
     if a.data:
@@ -102,7 +101,8 @@ def make_plan(a):
     cfg = pl.get_config(config)
     ft = pl.SFT_DEFAULTS[engine]
     steps = max(MIN_STEPS, int(SHARES["pretrain"] * budget * rate // (batch * seq)))
-    sft_steps = min(pl.SFT_DEFAULTS["steps"], max(MIN_STEPS, int(SHARES["sft"] * budget * rate // (ft["batch"] * ft["seq"]))))
+    sft_steps = min(pl.SFT_DEFAULTS["steps"], max(MIN_STEPS, int(SHARES["sft"] * budget * rate
+                                                                 // (ft["batch"] * ft["seq"]))))
     dpo_steps = min(pl.DPO_DEFAULTS["steps"], max(MIN_STEPS, int(SHARES["dpo"] * budget * rate
                                                                  // (2 * pl.DPO_DEFAULTS["batch"] * cfg.ctx))))
     size = os.path.getsize(data["text"]) if data["text"] and os.path.isfile(data["text"]) else 0.47e6
@@ -216,8 +216,8 @@ def stage_pretrain(plan, run, tokenizer, log):
         os.path.join(out, "report.md")) else ""
     mfu = re.search(r"MFU ([\d.]+)%", report)
     before = re.findall(r"step 0: val loss ([\d.]+)", open(log, encoding="utf-8").read())   # printed, not logged
-    return dict(run_figures(out), val_loss=v.get("val_loss"), val_bpb=v.get("val_bpb"), loss=last(recs, "loss").get("loss"),
-                val_loss_before=float(before[0]) if before else None,
+    return dict(run_figures(out), val_loss=v.get("val_loss"), val_bpb=v.get("val_bpb"),
+                loss=last(recs, "loss").get("loss"), val_loss_before=float(before[0]) if before else None,
                 mfu=float(mfu.group(1)) / 100 if mfu else None, folder=out)
 
 
@@ -238,7 +238,8 @@ def stage_dpo(plan, run):
     recs = pl.read_log(out)
     first, end = recs[0], last(recs, "pref_acc")
     return dict(run_figures(out), pref_acc_before=first.get("pref_acc"), pref_acc=end.get("pref_acc"),
-                margin=end.get("margin"), dpo_loss=end.get("dpo_loss"), data=plan["data"].get("prefs", "built-in"), folder=out)
+                margin=end.get("margin"), dpo_loss=end.get("dpo_loss"), data=plan["data"].get("prefs", "built-in"),
+                folder=out)
 
 
 def stage_eval(plan, run):
@@ -296,9 +297,8 @@ def hardware(plan):
 
 def commit():
     try:
-        sha = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
+        git = lambda *args: subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True).stdout.strip()
+        sha, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
         return (sha + (" (with uncommitted changes)" if dirty else "")) or "unknown"
     except OSError:
         return "unknown (no git)"
@@ -329,37 +329,41 @@ def card_md(c, run):
              f"- hardware: {hw['gpu'] + ', ' if hw['gpu'] else ''}{hw['cpu']}", f"- commit: {c['commit']}",
              f"- command: `{c['command']}`",
              f"- budget: {p['budget_minutes']:g} min; pretraining {p['tokens']:,} tokens ({p['steps']:,} steps x "
-             f"{p['batch']} x {p['seq']}) at an assumed {p['rate']:,} tokens/s ({p['rate_source']})",
-             f"- whole run: {c['seconds'] / 60:.1f} min; cost {c['gpu_hours']:.3f} GPU-hours x ${c['price_per_gpu_hour']:.2f} "
-             f"(--price) = ${c['cost_usd']:.2f}", f"- finished: {c['finished']}", "",
+             f"{p['batch']} x {p['seq']}) at an assumed {p['rate']:,.0f} tokens/s ({p['rate_source']})",
+             f"- whole run: {c['seconds'] / 60:.1f} min; cost {c['gpu_hours']:.3f} GPU-hours x "
+             f"${c['price_per_gpu_hour']:.2f} (--price) = ${c['cost_usd']:.2f}", f"- finished: {c['finished']}", "",
              "## Stages", "", "| stage | time | tokens | tokens/s | MFU | figures |", "|---|---|---|---|---|---|"]
     d, t, pre, sft, dpo, ev = (s[k] for k in STAGES)
     rows = [("data", d, d.get("skipped") and "skipped: " + d["skipped"] or f"make data: {d['text']} ({d['mb']} MB)"),
             ("tokenizer", t, f"vocab {t['vocab']}, {t['bytes_per_token']} bytes/token"),
-            ("pretrain", pre, f"val loss {f(pre['val_loss_before'])} -> {f(pre['val_loss'])}, val bpb {f(pre['val_bpb'])}, "
-                              f"{pre['steps']:,} steps"),
-            ("sft", sft, f"val loss {f(sft['val_loss_before'])} -> {f(sft['val_loss'])}, {sft['steps']} steps on {sft['data']}"),
-            ("dpo", dpo, f"held-out preference accuracy {f(dpo['pref_acc_before'], '{:.1%}')} -> {f(dpo['pref_acc'], '{:.1%}')}, "
-                         f"margin {f(dpo['margin'], '{:+.4f}')}, {dpo['steps']} steps on {dpo['data']}"),
+            ("pretrain", pre, f"val loss {f(pre['val_loss_before'])} -> {f(pre['val_loss'])}, val bpb "
+                              f"{f(pre['val_bpb'])}, {pre['steps']:,} steps"),
+            ("sft", sft, f"val loss {f(sft['val_loss_before'])} -> {f(sft['val_loss'])}, {sft['steps']} steps on "
+                         f"{sft['data']}"),
+            ("dpo", dpo, f"held-out preference accuracy {f(dpo['pref_acc_before'], '{:.1%}')} -> "
+                         f"{f(dpo['pref_acc'], '{:.1%}')}, margin {f(dpo['margin'], '{:+.4f}')}, {dpo['steps']} steps on "
+                         f"{dpo['data']}"),
             ("eval", ev, "HellaSwag " + (ev["hellaswag"].get("skipped") and "skipped: " + ev["hellaswag"]["skipped"] or
                                          f"acc {ev['hellaswag']['acc']:.4f} ({ev['hellaswag']['n']} items)") +
              f"; {len(ev['samples'])} prompts x 3 models")]
     for name, r, text in rows:
-        lines.append(f"| {name} | {r['seconds']:.1f} s | {f(r.get('tokens'), '{:,}')} | {f(r.get('tokens_per_s'), '{:,}')} | "
-                     f"{f(r.get('mfu'), '{:.1%}')} | {text} |")
+        lines.append(f"| {name} | {r['seconds']:.1f} s | {f(r.get('tokens'), '{:,}')} | "
+                     f"{f(r.get('tokens_per_s'), '{:,}')} | {f(r.get('mfu'), '{:.1%}')} | {text} |")
     h = ev["hellaswag"]
     lines += ["", "## Evaluation", "", "| what | model | value |", "|---|---|---|",
               f"| validation loss (head 0, nats) | base | {f(pre['val_loss'])} |",
               f"| bits per byte (validation split) | base | {f(pre['val_bpb'])} |",
               "| HellaSwag acc / acc_norm | base | " + (f"skipped: {h['skipped']}" if "skipped" in h else
-                                                       f"{h['acc']:.4f} / {h['acc_norm']:.4f} ({h['n']} items; chance 0.25)") + " |",
+                                                       f"{h['acc']:.4f} / {h['acc_norm']:.4f} ({h['n']} items; chance 0.25)")
+              + " |",
               f"| SFT validation loss | chat | {f(sft['val_loss_before'])} -> {f(sft['val_loss'])} |",
               f"| DPO held-out preference accuracy | DPO | {f(dpo['pref_acc_before'], '{:.1%}')} -> "
               f"{f(dpo['pref_acc'], '{:.1%}')} |", "", "## Loss curves", "",
               "![loss curves of every stage](loss.png)" if c["plot"] == "loss.png" else c["plot"], "",
               "## Chat samples (greedy, SFT template)", ""]
-    for q, by in ev["samples"].items():
-        lines += [f"**{q}**", ""] + [f"- {name}: {pl.printable(json.dumps(by[name], ensure_ascii=False))}" for name in ("pretrain", "sft", "dpo")] + [""]
+    for q, by in ev["samples"].items():             # as JSON strings: newlines and spaces show
+        lines += [f"**{q}**", ""] + [f"- {name}: {pl.printable(json.dumps(by[name], ensure_ascii=False))}"
+                                     for name in ("pretrain", "sft", "dpo")] + [""]
     lines += ["## Next", "", "```", *next_steps(p, run), "```"]
     return "\n".join(lines) + "\n"
 
@@ -432,8 +436,8 @@ def clock(path, every=10.0):
 
 
 def eta_line(plan, figures):
-    left = sum(plan["estimates"][s] for s in STAGES if s not in figures)
-    return f"whole run ETA {max(left, 0) / 60:.1f} min (at {time.strftime('%H:%M', time.localtime(time.time() + max(left, 0)))})"
+    left = sum(plan["estimates"][s] for s in STAGES if s not in figures)       # the stages not yet done
+    return f"whole run ETA {left / 60:.1f} min (at {time.strftime('%H:%M', time.localtime(time.time() + left))})"
 
 
 def run_stage(run, plan, figures, name, fn):
