@@ -1,15 +1,19 @@
 """
 test_speedrun.py -- issue 35: `make speedrun` (speedrun.py) on the CPU engine, in this process, offline on the embedded
 corpus with a tiny batch: every stage's figures in the card (REPORT.md and REPORT.json) and in agreement with the run
-folders' own logs, a run stopped after pretraining that resumes at SFT with the finished stages' figures unchanged,
-a finished run that prints its card and touches nothing, and one-line errors.
+folders' own logs, a Ctrl-C during pretraining that the next run resumes from the engine's checkpoint, a run stopped
+after pretraining that resumes at SFT with the finished stages' figures unchanged, a finished run that prints its
+card and touches nothing, and one-line errors.
 """
 import json
 import math
 import os
+import signal
 
+import numpy as np
 import pytest
 
+import nanoeuler as ne
 import pipeline as pl
 import speedrun
 from conftest import ROOT
@@ -36,19 +40,37 @@ def files(folder):
             for d, _, fs in os.walk(folder) for f in fs}
 
 
-def test_speedrun_card_resume_and_rerun(args, tmp_path, capsys):
+def test_speedrun_card_resume_and_rerun(args, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    # 1: stopped after pretraining, as after a crash between two stages
-    assert speedrun.main(args + ["--stop-after", "pretrain"]) == 0
+    # 1: Ctrl-C during the 8th step of pretraining: the engine checkpoints it, the speedrun stops (130)
+    step, calls = ne.Trainer.step, []
+
+    def ctrl_c_at_step_8(self, x, y, lr):
+        step(self, x, y, lr)
+        calls.append(1)
+        if len(calls) == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(ne.Trainer, "step", ctrl_c_at_step_8)
+    assert speedrun.main(args) == 130
+    monkeypatch.setattr(ne.Trainer, "step", step)
     out = capsys.readouterr().out
     assert "data: offline (--offline)" in out
     assert "pretraining on 3,840 tokens (15 steps x 4 x 64) at an assumed 16,000 tokens/s" in out   # 80% of 0.3 s
-    for stage in ("data", "tokenizer", "pretrain"):
-        assert f"{stage}: starting | whole run ETA" in out and f"{stage}: done in" in out
-    assert "sft: starting" not in out and not (run / "REPORT.md").exists()
+    assert "pretrain: starting | whole run ETA" in out and "run the same command again" in out
+    assert sorted(os.listdir(run / "stages")) == ["data.done.json", "data.log", "data.seconds.json", "pretrain.log",
+                                                 "pretrain.seconds.json", "tokenizer.done.json", "tokenizer.log",
+                                                 "tokenizer.seconds.json"]
+    with np.load(run / "pretrain" / "ckpt.npz") as z:
+        assert int(z["step"]) == 8
+    # 2: run again, stopped after pretraining (as by a crash between two stages): it resumes from step 8
+    assert speedrun.main(args + ["--stop-after", "pretrain"]) == 0
+    out = capsys.readouterr().out
+    assert "data: done before" in out and "tokenizer: done before" in out and "step 8/15" in out
+    assert "pretrain: done in" in out and "sft: starting" not in out and not (run / "REPORT.md").exists()
+    assert [json.loads(l)["step"] for l in (run / "pretrain" / pl.LOG).read_text().splitlines()] == list(range(1, 16))
     done = {s: json.loads((run / "stages" / f"{s}.done.json").read_text()) for s in ("data", "tokenizer", "pretrain")}
     ckpt = {k: v for k, v in files(run / "pretrain").items() if not k.endswith("evals.jsonl")}   # eval adds its scores
-    # 2: run again: it goes on at SFT, and the finished stages keep their figures
+    # 3: run again: it goes on at SFT, and the finished stages keep their figures
     assert speedrun.main(args) == 0
     out = capsys.readouterr().out
     assert all(f"{s}: done before" in out for s in done) and "sft: starting" in out and "pretrain: starting" not in out
@@ -80,7 +102,7 @@ def test_speedrun_card_resume_and_rerun(args, tmp_path, capsys):
         assert f"| {s} | {st[s]['seconds']:.1f} s |" in md
     assert card["seconds"] == pytest.approx(sum(st[s]["seconds"] for s in speedrun.STAGES), abs=0.1)
     assert card["gpu_hours"] == card["cost_usd"] == 0 and card["commit"]
-    # 3: a finished run, run again, prints its card and changes nothing
+    # 4: a finished run, run again, prints its card and changes nothing
     before = files(run)
     assert speedrun.main(args) == 0
     assert capsys.readouterr().out == md and files(run) == before
