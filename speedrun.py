@@ -93,9 +93,13 @@ def make_plan(a):
                     prefs=os.path.join(HERE, CORPORA[2]), why="make data")
     else:
         data = dict(text=None, why="offline (huggingface.co cannot be reached)")
-    for key, path, flag in (("sft", a.sft_data, "--sft-data"), ("prefs", a.dpo_data, "--dpo-data")):
+    for key, path, read in (("sft", a.sft_data, pl.load_sft_data), ("prefs", a.dpo_data, pl.load_prefs)):
         if path:
-            data[key] = os.path.abspath(pl.existing_file(path, flag))
+            read(path)                              # a bad file is found now, not after the pretraining
+            data[key] = os.path.abspath(path)
+    if a.hellaswag:
+        import evaluate
+        evaluate.load_hellaswag(a.hellaswag)
     hellaswag = os.path.abspath(a.hellaswag or os.path.join(HERE, HELLASWAG))
     budget = 60 * a.budget_minutes
     cfg = pl.get_config(config)

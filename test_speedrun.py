@@ -109,14 +109,19 @@ def test_speedrun_card_resume_and_rerun(args, tmp_path, capsys, monkeypatch):
 
 
 def test_speedrun_bad_input_is_one_line(args, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text('[{"instruction": "a", ')
     for more, words in ((["--data", tmp_path / "missing.txt"], "--data not found"),
                         (["--budget-minutes", 0], "--budget-minutes"),
                         (["--config", "tiny"], "no speedrun setup for tiny"),
                         (["--hellaswag-items", 0], "--hellaswag-items 0"),
-                        (["--stop-after", "nothing"], "invalid choice")):
+                        (["--stop-after", "nothing"], "invalid choice"),
+                        (["--sft-data", tmp_path / "bad.json"], "is not valid JSON"),          # before any stage
+                        (["--dpo-data", tmp_path / "bad.json"], "is not JSON"),
+                        (["--hellaswag", tmp_path / "bad.json"], "is not JSON")):
         assert speedrun.main(args + more) == 1
         err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
         assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], (more, err)
+        assert not (tmp_path / "run" / "stages").exists()
     assert speedrun.main(args + ["--stop-after", "data"]) == 0              # a plan in the folder, then another plan
     capsys.readouterr()
     assert speedrun.main(args + ["--budget-minutes", 1]) == 1
