@@ -46,7 +46,7 @@ SETUPS = {
 }
 DEFAULT_CONFIG = {"gpu": "big", "cpu": "small"}
 SHARES = {"pretrain": 0.80, "sft": 0.07, "dpo": 0.05, "eval": 0.08}   # of the budget; the tokenizer comes on top
-TOKENIZER_S_PER_MB = 1.5     # bpe.py training on the first 20 MB (28 s for 20 MB of docs here) and encoding
+TOKENIZER_S_PER_MB = (1.4, 1.0)   # training on the first 20 MB (28 s for 20 MB of docs.txt here); encoding, per core
 CKPT_MINUTES = 2             # pretraining checkpoints this often, so a kill loses at most that
 MIN_STEPS = 5
 CORPORA = ("data/pretrain.txt", "data/alpaca.json", "data/prefs.jsonl")   # make's targets that download
@@ -110,7 +110,9 @@ def make_plan(a):
     dpo_steps = min(pl.DPO_DEFAULTS["steps"], max(MIN_STEPS, int(SHARES["dpo"] * budget * rate
                                                                  // (2 * pl.DPO_DEFAULTS["batch"] * cfg.ctx))))
     size = os.path.getsize(data["text"]) if data["text"] and os.path.isfile(data["text"]) else 0.47e6
-    estimates = dict(data=0.0, tokenizer=TOKENIZER_S_PER_MB * size / 1e6, pretrain=steps * batch * seq / rate,
+    train_s, encode_s = TOKENIZER_S_PER_MB
+    tokenizer_s = (train_s * min(size, 20e6) + encode_s * size / (os.cpu_count() or 1)) / 1e6
+    estimates = dict(data=0.0, tokenizer=tokenizer_s, pretrain=steps * batch * seq / rate,
                      sft=SHARES["sft"] * budget, dpo=SHARES["dpo"] * budget, eval=SHARES["eval"] * budget)
     return dict(engine=engine, config=config, batch=batch, seq=seq, rate=rate, rate_source=source,
                 budget_minutes=a.budget_minutes, steps=steps, tokens=steps * batch * seq, sft_steps=sft_steps,
