@@ -467,20 +467,23 @@ def parse(argv):
     p = pl.Parser(prog="speedrun.py", description="from nothing to a chat model in one command: data, tokenizer, "
                   "pretraining, SFT, DPO and evaluation, with one report card (REPORT.md); run it again to resume")
     p.add_argument("--out", default="speedrun", metavar="DIR", help="the speedrun's folder (default speedrun)")
-    p.add_argument("--data", metavar="FILE", help="pretrain on this UTF-8 text, no download (default: make data's corpora; offline, "
-                                  "the embedded corpus)")
+    p.add_argument("--data", metavar="FILE", help="pretrain on this UTF-8 text, no download (default: make data's "
+                                                  "corpora; offline, the embedded corpus)")
     p.add_argument("--offline", action="store_true", help="download nothing: the embedded corpus and built-in sets")
-    p.add_argument("--sft-data", dest="sft_data", metavar="FILE", help="SFT on this Alpaca JSON (default: make data's, else built-in)")
-    p.add_argument("--dpo-data", dest="dpo_data", metavar="FILE", help="DPO on this preference JSONL (default: make data's, else built-in)")
+    p.add_argument("--sft-data", dest="sft_data", metavar="FILE",
+                   help="SFT on this Alpaca JSON (default: make data's, else built-in)")
+    p.add_argument("--dpo-data", dest="dpo_data", metavar="FILE",
+                   help="DPO on this preference JSONL (default: make data's, else built-in)")
     p.add_argument("--engine", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: the GPU engine when CuPy sees a GPU, else the CPU engine (default auto)")
     p.add_argument("--config", metavar="NAME", help="model config: " + ", ".join(f"{c} ({e.upper()})" for e, c in SETUPS)
                    + " (default big on the GPU, small on the CPU)")
     p.add_argument("--budget-minutes", dest="budget_minutes", type=float, default=60.0, metavar="MIN",
                    help="the whole run's length, downloads aside: pretraining gets 80%% (default 60)")
-    p.add_argument("--rate", type=float, metavar="TOKENS_PER_S", help="training tokens/s to plan with (default: the engine and config's, "
-                                               "from bench; printed at the start)")
-    p.add_argument("--price", type=float, default=3.50, metavar="USD", help="USD per GPU-hour of the cost estimate (default 3.50)")
+    p.add_argument("--rate", type=float, metavar="TOKENS_PER_S", help="training tokens/s to plan with (default: the "
+                                                                       "engine and config's, from bench; printed at the start)")
+    p.add_argument("--price", type=float, default=3.50, metavar="USD",
+                   help="USD per GPU-hour of the cost estimate (default 3.50)")
     p.add_argument("--hellaswag", metavar="FILE", help=f"HellaSwag JSONL (default {HELLASWAG}; skipped when absent)")
     p.add_argument("--hellaswag-items", dest="hellaswag_items", type=int, metavar="N",
                    help="HellaSwag items scored (default all on the GPU, 500 on the CPU)")
