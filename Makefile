@@ -3,7 +3,7 @@ PYTHON ?= python3
 export PIP_ROOT_USER_ACTION := ignore
 PIP := $(PYTHON) -m pip install -q --disable-pip-version-check
 
-.PHONY: all setup setup-test warm check test train train-medium bench data clean
+.PHONY: all setup setup-test warm check test train train-medium bench speedrun data clean
 
 all: warm                                  # `make`: install, then compile every Numba kernel into the cache
 
@@ -40,6 +40,9 @@ train-medium: setup                        # the ~10M config on the embedded cor
 
 bench: setup
 	$(PYTHON) nanoeuler.py bench
+
+speedrun: setup                            # data to a chat model and its REPORT.md in one command; ARGS="--budget-minutes 10"
+	$(PYTHON) speedrun.py $(ARGS)
 
 # corpora -> data/pretrain.txt (books + web) -> the 4096 tokenizer and the uint16 token file
 data: data/pretrain.bin data/alpaca.json data/prefs.jsonl

@@ -44,6 +44,7 @@ _T36A_SERVE = ("test_serve.py::test_chat_wire_format_finish_reason_and_usage", "
                "test_serve.py::test_up_to_four_stop_strings")
 _T36A_EXPORT = ("test_export.py::test_gguf_metadata_is_the_contracts_model",)
 _MUON = ("test_reference.py", "-k", "muon")
+_SPEEDRUN = ("test_speedrun.py::test_speedrun_card_resume_and_rerun",)
 _T36A_BPE = ("test_tokenizer.py::test_encodings_equal_hugging_face_tokenizers",
              "test_tokenizer.py::test_merge_table_that_refers_to_its_own_id_is_refused")
 
@@ -311,6 +312,16 @@ MUTANTS = [
      [('if rank is not None and (best_rank is None or rank < best_rank):', 'if rank is not None and best_rank is None:', 1)], _T36A_BPE),
     ('merge that uses its own id accepted', 'bpe.py',
      [('if max(pair) >= 256 + len(merges):', 'if max(pair) > 256 + len(merges):', 1)], _T36A_BPE),
+    # issue 35: the speedrun's resumption and card
+    ("speedrun redoes finished stages", "speedrun.py", [("    if os.path.isfile(marker):\n", "    if False:\n", 1)],
+     _SPEEDRUN),
+    ("speedrun retrains instead of resuming", "speedrun.py", [("    elif done:\n", "    elif False:\n", 1)], _SPEEDRUN),
+    ("speedrun's pretraining gets 90% of the budget", "speedrun.py", [('"pretrain": 0.80,', '"pretrain": 0.90,', 1)],
+     _SPEEDRUN),
+    ("speedrun's card takes the first validation", "speedrun.py",
+     [('    v = last(recs, "val_loss")', '    v = next(r for r in recs if "val_loss" in r)', 1)], _SPEEDRUN),
+    ("finished speedrun rewrites its card", "speedrun.py",
+     [("    if os.path.isfile(card) and all(", "    if False and all(", 1)], _SPEEDRUN),
 ]
 
 
