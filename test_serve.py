@@ -540,6 +540,21 @@ def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
     assert not serve.loopback("0.0.0.0") and not serve.loopback("192.168.1.4") and not serve.loopback("example.org")
 
 
+def test_every_interface_without_a_key_is_warned_of(model, monkeypatch, capsys):
+    """Authority: issue 33, "starting on a non-loopback --host without a key prints a warning"."""
+    P, tok, d = model
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt                          # serve_forever stopped at once, as by Ctrl-C
+    monkeypatch.setattr(serve.Server, "serve_forever", interrupted)
+    for flags, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False), ([], False)):
+        with pytest.raises(KeyboardInterrupt):
+            serve.run(serve_args("--ckpt", d / "chat.npz", "--port", 0, *flags), tok, P.cfg, True,
+                      lambda rows: ne.Decoder(P, rows or 2), "CPU")
+        out, err = capsys.readouterr()
+        assert "[stopped]" in out and ("warning: 0.0.0.0 is reachable" in err and "--api-key" in err) == warned, err
+
+
 def test_ignore_eos_runs_to_max_tokens(scripted, model):
     """Authority: vLLM's SamplingParams.ignore_eos: "whether to ignore the EOS token and continue generating
     tokens after the EOS token is generated" (load tests use it so every answer has max_tokens tokens)."""
