@@ -634,7 +634,8 @@ class AdamW:
 
 # ----------------------------------------------------------------------------------------------------
 # sampling: head 0 with a KV cache of rotated keys and values per layer, for a batch of streams; the
-# MTP heads draft tokens that head 0 verifies in one forward (self-speculative decoding, CONTRACT.md)
+# MTP heads draft tokens that head 0 verifies in one forward (self-speculative decoding, CONTRACT.md);
+# serve's Decoder, rows of their own positions decoded together
 
 class KVCache:
     """Per layer and stream: the rotated keys and the values, both transposed, (hd, ctx), so that a query's
@@ -1068,7 +1069,7 @@ class Decoder:
     def _sample(self, rows, logits):
         """Each row's next id by its own pl.Sampling, its history and its generator (-1: logits not finite).
         Rows of one plain rule (temperature and top-k only) go through Sampling.probs's steps together,
-        the same operations on each row (tested against it to the bit); the others one by one."""
+        the same operations on each row (tested against it, id for id); the others one by one."""
         out = np.full(len(rows), -1, np.int64)
         finite = np.isfinite(logits[:len(rows)]).all(axis=1)
         plain = {}
