@@ -410,7 +410,7 @@ def test_a_row_whose_logits_go_nan_fails_alone(model):
     dec = ne.Decoder(P, 3)
     prompts = [[5, 6], [7, 8, 9], [10]]
     firsts = [dec.start(r, p, GREEDY, 0) for r, p in enumerate(prompts)]
-    dec.cache.v[1, 1] = np.nan                           # row 1's values in layer 1
+    dec.v[1, 1] = np.nan                                 # row 1's values in layer 1
     got = [firsts] + [dec.step([0, 1, 2]).tolist() for _ in range(3)]
     assert [g[1] for g in got[1:]] == [-1, -1, -1]
     for r in (0, 2):
