@@ -1307,7 +1307,7 @@ def cmd_serve(argv):
     import serve
     p = pl.Parser(prog=f"{PROG} serve", description=serve.DESCRIPTION)
     serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default {SERVE_BATCH}: on 2 cores a "
-                          "step of small's 8 rows makes 3x the tokens of one row's")
+                          "step of small's 8 rows makes 4x the tokens of one row's")
     a = p.parse_args(argv)
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: Decoder(P, rows or SERVE_BATCH), "CPU")
