@@ -286,7 +286,7 @@ MUTANTS = [
                                                "finite = np.ones(len(rows), bool)", 1)],
      ("test_serve.py::test_a_row_whose_logits_go_nan_fails_alone",)),
     ("a decode row reads its neighbour's cache", "nanoeuler.py",
-     [("_scores2(q[r, h], q[r, h2], K[s, kv], rows, E)", "_scores2(q[r, h], q[r, h2], K[slots[0], kv], rows, E)", 1)],
+     [("Kh, Vh, qh = K[s, h // G], V[s, h // G], q[r, h]", "Kh, Vh, qh = K[slots[0], h // G], V[s, h // G], q[r, h]", 1)],
      ("test_serve.py::test_decoder_rows_are_the_same_alone_or_interleaved",)),
     ('gguf norm eps 1e-6', 'export.py',
      [('w.add_layer_norm_rms_eps(pl.RMS_EPS)', 'w.add_layer_norm_rms_eps(1e-6)', 1)], _T36A_EXPORT),

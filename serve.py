@@ -753,9 +753,7 @@ def run(a, tok, cfg, chat, decoder_factory, engine):
     r = server.requests
     print(f"serving {r.name} ({'chat: the SFT template' if chat else 'base: plain text'}, context {cfg.ctx}) on the "
           f"{engine} engine, {r.capacity} requests at once, at http://{host}:{port}/ (the chat page; the API "
-          f"under /v1{', locked by --api-key' if a.api_key else ''})"
-          f"{'; every interface: anyone who can reach this machine can use it' if host == '0.0.0.0' else ''}"
-          "; Ctrl-C stops", flush=True)
+          f"under /v1{', locked by --api-key' if a.api_key else ''}); Ctrl-C stops", flush=True)
     if not a.api_key and not loopback(host):
         print(f"warning: {host} is reachable from other machines and the API has no key: anyone who reaches "
               f"port {port} can use it (give --api-key or ${KEY_ENV})", file=sys.stderr, flush=True)

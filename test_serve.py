@@ -410,7 +410,7 @@ def test_a_row_whose_logits_go_nan_fails_alone(model):
     dec = ne.Decoder(P, 3)
     prompts = [[5, 6], [7, 8, 9], [10]]
     firsts = [dec.start(r, p, GREEDY, 0) for r, p in enumerate(prompts)]
-    dec.cache.v[1, 1] = np.nan                           # row 1's values in layer 1
+    dec.v[1, 1] = np.nan                                 # row 1's values in layer 1
     got = [firsts] + [dec.step([0, 1, 2]).tolist() for _ in range(3)]
     assert [g[1] for g in got[1:]] == [-1, -1, -1]
     for r in (0, 2):
@@ -538,6 +538,21 @@ def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
         server.server_close()
     assert serve.loopback("127.0.0.1") and serve.loopback("::1") and serve.loopback("localhost")
     assert not serve.loopback("0.0.0.0") and not serve.loopback("192.168.1.4") and not serve.loopback("example.org")
+
+
+def test_every_interface_without_a_key_is_warned_of(model, monkeypatch, capsys):
+    """Authority: issue 33, "starting on a non-loopback --host without a key prints a warning"."""
+    P, tok, d = model
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt                          # serve_forever stopped at once, as by Ctrl-C
+    monkeypatch.setattr(serve.Server, "serve_forever", interrupted)
+    for flags, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False), ([], False)):
+        with pytest.raises(KeyboardInterrupt):
+            serve.run(serve_args("--ckpt", d / "chat.npz", "--port", 0, *flags), tok, P.cfg, True,
+                      lambda rows: ne.Decoder(P, rows or 2), "CPU")
+        out, err = capsys.readouterr()
+        assert "[stopped]" in out and ("warning: 0.0.0.0 is reachable" in err and "--api-key" in err) == warned, err
 
 
 def test_ignore_eos_runs_to_max_tokens(scripted, model):
@@ -878,22 +893,35 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
 
 @pytest.mark.gpu
 def test_gpu_engine_serves(model):
+    """The GPU engine's server (raw HTTP: the device machine has no openai package): greedy chat is the CPU
+    engine's text; seeds repeat; streamed equals whole; 24 seeded requests at once (continuous batching)
+    each get their text alone; n choices are the seeds seed + i."""
     p, host, port = _serve_process("nanoeuler_cuda.py", model[2] / "chat.npz")
+    at = type("At", (), {"server_address": (host, port)})
     try:
-        c = client(None, port)
-        msgs = [{"role": "user", "content": "Name a colour."}]
-        r = c.chat.completions.create(model="nanoeuler-custom-chat", messages=msgs, max_tokens=8, temperature=0)
         ids = sft_ids(model[1], [], "Name a colour.")
-        assert r.choices[0].message.content == engine_text(model, ids, 8)[0]       # the CPU engine's greedy text
-        assert r.usage.prompt_tokens == len(ids)
-        ask = lambda seed, **kw: c.completions.create(model=r.model, prompt="It was", max_tokens=16, temperature=1.0,
-                                                      seed=seed, **kw)
-        text = ask(5).choices[0].text
-        assert text == ask(5).choices[0].text != ask(6).choices[0].text
-        assert "".join(ch.choices[0].text for ch in ask(5, stream=True)) == text
+        status, _, raw = post(at, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}],
+                                                           "max_tokens": 8, "temperature": 0})
+        r = json.loads(raw)
+        assert status == 200 and r["choices"][0]["message"]["content"] == engine_text(model, ids, 8)[0]   # the CPU's
+        assert r["usage"]["prompt_tokens"] == len(ids)
+
+        def ask(seed, i=0, **kw):
+            body = dict(prompt=f"It was {i}" if i else "It was", max_tokens=4 + i % 13, temperature=(1.0, 0)[i % 2],
+                        seed=seed, **kw)
+            status, _, raw = post(at, "/v1/completions", body)
+            assert status == 200, raw
+            return ["".join(c["choices"][0]["text"] for c in sse_chunks(raw))] if kw.get("stream") else \
+                [c["text"] for c in json.loads(raw)["choices"]]
+        text = ask(5)[0]
+        assert text == ask(5)[0] != ask(6)[0] and ask(5, stream=True) == [text]
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(lambda i: ask(i, i)[0], range(24)))
+        assert together == [ask(i, i)[0] for i in range(24)]
+        assert ask(5, n=3) == [text, ask(6)[0], ask(7)[0]]
     finally:
         rc, out, err = _stop(p)
-    assert rc == 0, err
+    assert rc == 130 and "[stopped]" in out, err                  # Ctrl-C: 130, as every mode
 
 
 # ----------------------------------------------------------------------------------------------------
