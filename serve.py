@@ -41,7 +41,7 @@ One scheduler thread (Scheduler) loops: it starts queued requests in free rows (
 runs one step for every active row, decodes each id (UTF-8 cut between tokens waits for its end) and
 scans for stop strings, and frees a finished row at once. Each connection has its own thread (the
 standard library's ThreadingHTTPServer: no dependency), which wakes when its request has text and writes
-everything made since its last wake-up in one piece. A client that closes its connection frees its place:
+everything made since its last write in one piece, at most every FLUSH seconds. A client that closes its connection frees its place:
 a queued request is dropped, a running one's rows are freed at the next step.
 
 Sections: errors | requests | generation | HTTP | command line.
