@@ -1221,6 +1221,16 @@ def validation_loss(batch_loss, tokens, B, T, n_batches, bytes_per_token):
 LOG, EVALS = "train_log.jsonl", "evals.jsonl"        # a run folder's step log, and eval's scores of its checkpoint
 
 
+def atomic_write(path, text):
+    """Writes a text file whole or not at all: a temporary file beside it, flushed to disk, then renamed."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
 def start_log(out_dir, step):
     """Readies a run's log for the steps after `step`: keeps its records of steps up to `step` (a resume's
     checkpoint; 0, a new run: none but a step-0 record written for it) and drops the rest, the steps of a
@@ -1244,12 +1254,7 @@ def start_log(out_dir, step):
             dropped += not ok and bool(line.strip())
     if not dropped:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        out.writelines(keep)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, "".join(keep))
     print(f"note: {path} held {dropped} lines of an earlier run; this run starts the log afresh"
           if step == 0 else f"note: {path}: dropped {dropped} lines logged after the checkpoint's step {step}; "
           "this run logs those steps again", flush=True)

@@ -324,8 +324,8 @@ def write_card(run, plan, figures, argv):
         card["plot"] = "loss.png"
     except pl.UserError as e:
         card["plot"] = f"(no plot: {e})"
-    atomic_write(os.path.join(run, "REPORT.json"), json.dumps(card, indent=1) + "\n")
-    atomic_write(os.path.join(run, "REPORT.md"), card_md(card, run))
+    pl.atomic_write(os.path.join(run, "REPORT.json"), json.dumps(card, indent=1) + "\n")
+    pl.atomic_write(os.path.join(run, "REPORT.md"), card_md(card, run))
 
 
 def card_md(c, run):
@@ -384,15 +384,6 @@ def next_steps(plan, run):
 # ----------------------------------------------------------------------------------------------------
 # running the stages: markers, resumption, progress and each stage's log
 
-def atomic_write(path, text):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Tee:
     """A stream that writes to the terminal and to the stage's log."""
 
@@ -432,13 +423,13 @@ def clock(path, every=10.0):
 
     def beat():
         while not stop.wait(every):
-            atomic_write(path, json.dumps({"seconds": total()}))
+            pl.atomic_write(path, json.dumps({"seconds": total()}))
     threading.Thread(target=beat, daemon=True).start()
     try:
         yield total
     finally:
         stop.set()
-        atomic_write(path, json.dumps({"seconds": total()}))
+        pl.atomic_write(path, json.dumps({"seconds": total()}))
 
 
 def eta_line(plan, figures):
@@ -458,7 +449,7 @@ def run_stage(run, plan, figures, name, fn):
     with clock(os.path.join(run, "stages", f"{name}.seconds.json")) as spent, logged(log):
         result = fn(log)
     result["seconds"] = round(spent(), 2)
-    atomic_write(marker, json.dumps(result, indent=1))
+    pl.atomic_write(marker, json.dumps(result, indent=1))
     figures[name] = result
     print(f"[speedrun {i}/{len(STAGES)}] {name}: done in {result['seconds']:.1f} s | {eta_line(plan, figures)}", flush=True)
 
@@ -511,7 +502,7 @@ def speedrun(argv):
         print(open(card, encoding="utf-8").read(), end="")
         return
     os.makedirs(os.path.join(run, "stages"), exist_ok=True)
-    atomic_write(plan_path, json.dumps(plan, indent=1))
+    pl.atomic_write(plan_path, json.dumps(plan, indent=1))
     print(f"speedrun: {plan['config']} on the {plan['engine'].upper()} engine, budget {plan['budget_minutes']:g} min "
           f"(downloads aside) -> pretraining on {plan['tokens']:,} tokens ({plan['steps']:,} steps x {plan['batch']} x "
           f"{plan['seq']}) at an assumed {plan['rate']:,.0f} tokens/s ({plan['rate_source']}); SFT {plan['sft_steps']} "
