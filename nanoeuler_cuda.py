@@ -689,6 +689,18 @@ template <bool MAX> __device__ float block_reduce(float v) {
 }
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
+// float64 block sum (the gradient norm's and Muon's partial sums): warp trees, then thread 0 adds the warps'
+// sums in order; thread 0's return value is the sum
+__device__ double block_sum_f64(double acc) {
+    __shared__ double sh[32];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    double s = 0.0;
+    if (threadIdx.x == 0)
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
+    return s;
+}
 // (value, id) pairs: the larger value first, the smaller id on a tie (numpy's first argmax)
 __device__ __forceinline__ bool before(float a, int ai, float b, int bi) { return a > b || (a == b && ai < bi); }
 __device__ void block_argmax(float& v, int& i) {          // every thread gets the block's first argmax
@@ -2728,19 +2740,11 @@ class Model:
 
 OPTIM_SRC = cuda_source("optim", ["sumsq_partial", "sumsq_final", "adamw", "adamw_bf16", "to_bf16"], r"""
 extern "C" __global__ void sumsq_partial(const float* __restrict__ g, i64 n, double* __restrict__ part) {
-    __shared__ double sh[32];
     double acc = 0.0;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         acc += (double)g[i] * g[i];
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (lane == 0) sh[w] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
-        part[blockIdx.x] = s;
-    }
+    double s = block_sum_f64(acc);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, float* __restrict__ norm) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
@@ -2898,7 +2902,6 @@ MUON_SRC = cuda_source("muon", ["muon_momentum", "muon_x_f32", "muon_x_bf16", "m
 extern "C" __global__ void muon_momentum(const float* __restrict__ g, float* __restrict__ m,
                                          const float* __restrict__ norm, float clip, float mu, i64 base,
                                          i64 layer_size, int n, double* __restrict__ part) {
-    __shared__ double sh[32];
     const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // AdamW's clip, the same expression
     const i64 off = base + layer_size * blockIdx.y;
     double acc = 0.0;
@@ -2909,15 +2912,8 @@ extern "C" __global__ void muon_momentum(const float* __restrict__ g, float* __r
         float u = (1.f - mu) * gi + mu * mi;
         acc += (double)u * u;
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    if (lane == 0) sh[w] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++) s += sh[i];
-        part[(i64)blockIdx.y * gridDim.x + blockIdx.x] = s;
-    }
+    double s = block_sum_f64(acc);
+    if (threadIdx.x == 0) part[(i64)blockIdx.y * gridDim.x + blockIdx.x] = s;
 }
 // X[l] = u / (sqrt(sum of the matrix's parts) + eps), u recomputed as muon_momentum made it (m already updated);
 // tr: X[l] is the transpose (cols x rows) of the rows x cols matrix
