@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,53 @@ def run_engine(script, *args, env=None, timeout=900, input=None):
 
 def run_cli(*args, stdin=None, env_extra=None, timeout=600):
     return run_engine("nanoeuler.py", *args, env=env_extra, timeout=timeout, input=stdin)
+
+
+def cli_here(*args, stdin=None, env_extra=None):
+    """run_cli's result from nanoeuler.py's main() in this process (run_here)."""
+    return run_here("nanoeuler.py", *args, env=env_extra, input=stdin)
+
+
+def run_here(script, *args, env=None, input=None):
+    """run_engine's result, from script's main(args) called in this process (no interpreter to start, no
+    Numba to import: ~2 s a command saved): stdout and stderr captured, env set, stdin given, and the exit the
+    interpreter would make of `sys.exit(main())`: the int returned, a SystemExit's code (a string printed on
+    stderr, status 1), or an uncaught exception's traceback with status 1. The one `error:` line and its
+    status end to end, through a real process, stay checked by the run_engine tests beside them."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+    main = importlib.import_module(script.removesuffix(".py")).main
+    out, err = io.StringIO(), io.StringIO()
+    env = {k: str(v) for k, v in (env or {}).items()}
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")             # the warnings a fresh interpreter prints on stderr
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        for k in RANK_VARS:
+            m.delenv(k, raising=False)
+        for k, v in env.items():
+            m.setenv(k, v)
+        if "NANOEULER_CACHE" in env:                 # read once, at import, into prepare_data's default
+            m.setattr(pl, "CACHE", env["NANOEULER_CACHE"])
+            m.setattr(pl.prepare_data, "__defaults__", (env["NANOEULER_CACHE"],))
+        m.setattr(sys, "stdin", io.StringIO(input or ""))
+        m.setattr(sys, "argv", [script, *map(str, args)])
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+        except Exception:                            # what the interpreter prints of an uncaught exception
+            traceback.print_exc(file=err)
+            code = 1
+    for w in shown:
+        err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    if isinstance(code, str):
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess([script, *args], code or 0, out.getvalue(), err.getvalue())
 
 
 def run_gpu(*args, env=None, timeout=900):
