@@ -51,17 +51,18 @@ def run_cli(*args, stdin=None, env_extra=None, timeout=600):
     return run_engine("nanoeuler.py", *args, env=env_extra, timeout=timeout, input=stdin)
 
 
-def cli_here(*args, stdin=None, env_extra=None):
+def cli_here(*args, stdin=None, env_extra=None, plots=True):
     """run_cli's result from nanoeuler.py's main() in this process (run_here)."""
-    return run_here("nanoeuler.py", *args, env=env_extra, input=stdin)
+    return run_here("nanoeuler.py", *args, env=env_extra, input=stdin, plots=plots)
 
 
-def run_here(script, *args, env=None, input=None):
+def run_here(script, *args, env=None, input=None, plots=True):
     """run_engine's result, from script's main(args) called in this process (no interpreter to start, no
     Numba to import: ~2 s a command saved): stdout and stderr captured, env set, stdin given, and the exit the
     interpreter would make of `sys.exit(main())`: the int returned, a SystemExit's code (a string printed on
     stderr, status 1), or an uncaught exception's traceback with status 1. The one `error:` line and its
-    status end to end, through a real process, stay checked by the run_engine tests beside them."""
+    status end to end, through a real process, stay checked by the run_engine tests beside them. plots=False:
+    as without matplotlib (report.md's loss plot costs a run 1.5-3 s; test_evaluate.py checks the plot)."""
     import contextlib
     import importlib
     import io
@@ -81,6 +82,8 @@ def run_here(script, *args, env=None, input=None):
         if "NANOEULER_CACHE" in env:                 # read once, at import, into prepare_data's default
             m.setattr(pl, "CACHE", env["NANOEULER_CACHE"])
             m.setattr(pl.prepare_data, "__defaults__", (env["NANOEULER_CACHE"],))
+        if not plots:
+            m.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
         m.setattr(sys, "stdin", io.StringIO(input or ""))
         m.setattr(sys, "argv", [script, *map(str, args)])
         try:
@@ -133,10 +136,11 @@ def corpus(tmp_path_factory):
 
 
 def train_cpu(out, corpus, *extra):
-    """A short run of nanoeuler.py train on the corpus fixture into out (batch 2 of 32 tokens), more flags in extra."""
+    """A short run of nanoeuler.py train on the corpus fixture into out (batch 2 of 32 tokens), more flags in
+    extra; in this process (cli_here), no loss plot."""
     path, env = corpus
-    return run_cli("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
-                   "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env)
+    return cli_here("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
+                    "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env, plots=False)
 
 
 @pytest.fixture(scope="module")
