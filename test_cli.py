@@ -375,7 +375,7 @@ def test_a_bin_whose_tokenizer_outgrows_the_config_names_one_that_fits(tmp_path,
     r = cli_here("train", "--data", tmp_path / "d.bin", "--out", tmp_path / "o")
     assert_one_line_error(r, "700 token ids", "small", "medium")
     r = cli_here("train", "medium", "--data", tmp_path / "d.bin", "--out", tmp_path / "o", "--steps", 1, "--batch", 1,
-                 "--seq", 32, "--sample-every", 0)
+                 "--seq", 32, "--sample-every", 0, plots=False)
     assert r.returncode == 0 and "10,490,112 parameters" in r.stdout, r.stderr
 
 
