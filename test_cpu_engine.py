@@ -312,6 +312,7 @@ def test_model_text_shown_to_a_person_escapes_control_bytes(tmp_path, monkeypatc
     assert "A\\x00\\x1b[2J\\x07\nB" in capsys.readouterr().out
     import evaluate
     (tmp_path / pl.LOG).write_text(json.dumps(dict(step=1, loss=5.0, ms=10.0, tokens=32)) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)            # no loss plot (1-3 s): the text is checked
     report = evaluate.write_report(str(tmp_path), {"seq": 16, "config": "tiny"}, pl.CONFIGS["tiny"], 4.0, 2.0,
                                    tok.decode(bad))
     raw = open(report, "rb").read()
