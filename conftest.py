@@ -125,9 +125,9 @@ def no_cupy(folder):
 # ----------------------------------------------------------------------------------------------------
 # a corpus, a one-step run and a model with known heads (the CPU engine's, the CLI's and the GPU's tests)
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """A small English text file and a private tokenizer cache."""
+    """A small English text file and a private tokenizer cache (one a worker: its runs read it, or copy it)."""
     d = tmp_path_factory.mktemp("corpus")
     text, _ = pl.default_corpus()
     path = d / "corpus.txt"
@@ -143,7 +143,7 @@ def train_cpu(out, corpus, *extra):
                     "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env, plots=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_step_ckpt(tmp_path_factory, corpus):
     out = tmp_path_factory.mktemp("one_step")
     r = train_cpu(out, corpus, "--steps", 1)
