@@ -591,19 +591,32 @@ def test_chat_ctrl_c_stops_only_the_answer(tmp_path):
     cfg = pl.Config(**{**pl.asdict(pl.CONFIGS["medium"]), "vocab": 257})  # medium's layers, the byte tokenizer's ids
     pl.save_checkpoint(str(out / "ckpt.npz"), pl.Params.init(cfg, 0), bpe.Tokenizer([]))
     # greedy, so the answer is the same every run (no early <|endoftext|>) and long enough to interrupt: the
-    # 10M model writes its 500 tokens in ~0.8 s (small wrote them in 0.2 s, and a loaded machine lost the race)
+    # 10M model writes its 500 tokens in 1-6 s (small wrote them in 0.2 s, and a loaded machine lost the race).
+    # The next answer is stopped as well (it ran its 500 tokens, most of the test's time), then stdin ends.
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler.py"), "chat", "--ckpt", str(out / "ckpt.npz"),
                           "--tokens", "500", "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    p.stdin.write("The\n")
-    p.stdin.flush()
-    seen = ""
-    while seen.count("> ") < 1 or len(seen.split("> ", 1)[1]) < 5:    # the first characters of the answer
-        seen += p.stdout.read(1)
-    p.send_signal(signal.SIGINT)
-    rest, err = p.communicate("A\n", timeout=120)
-    assert p.returncode == 0, err
-    assert "[stopped]" in rest and "\n> A\n" in rest, rest           # the session went on to the next question
+
+    def read_answer(seen, question):         # -> seen and the output up to the first characters of the answer
+        while (question not in seen or len(seen.split(question, 1)[1]) < 5) and (c := p.stdout.read(1)):
+            seen += c
+        return seen
+    try:
+        p.stdin.write("The\n")
+        p.stdin.flush()
+        read_answer("", "> ")
+        p.send_signal(signal.SIGINT)
+        p.stdin.write("A\n")
+        p.stdin.flush()
+        after = read_answer("", "\n> A\n")
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    after += rest
+    assert p.returncode == 0 and "\n> A\n" in after, err + after
+    assert "[stopped]" in after.split("\n> A\n")[0], after           # the session went on to the next question
+    assert "[stopped]" in after.split("\n> A\n")[1], after           # and that answer stops too
 
 
 def _fake_chat(monkeypatch, capsys, lines, ctx, max_new=4):
