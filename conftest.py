@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,56 @@ def run_cli(*args, stdin=None, env_extra=None, timeout=600):
     return run_engine("nanoeuler.py", *args, env=env_extra, timeout=timeout, input=stdin)
 
 
+def cli_here(*args, stdin=None, env_extra=None, plots=True):
+    """run_cli's result from nanoeuler.py's main() in this process (run_here)."""
+    return run_here("nanoeuler.py", *args, env=env_extra, input=stdin, plots=plots)
+
+
+def run_here(script, *args, env=None, input=None, plots=True):
+    """run_engine's result, from script's main(args) called in this process (no interpreter to start, no
+    Numba to import: ~2 s a command saved): stdout and stderr captured, env set, stdin given, and the exit the
+    interpreter would make of `sys.exit(main())`: the int returned, a SystemExit's code (a string printed on
+    stderr, status 1), or an uncaught exception's traceback with status 1. The one `error:` line and its
+    status end to end, through a real process, stay checked by the run_engine tests beside them. plots=False:
+    as without matplotlib (report.md's loss plot costs a run 1.5-3 s; test_evaluate.py checks the plot)."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+    main = importlib.import_module(script.removesuffix(".py")).main
+    out, err = io.StringIO(), io.StringIO()
+    env = {k: str(v) for k, v in (env or {}).items()}
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")             # the warnings a fresh interpreter prints on stderr
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=category)
+        for k in RANK_VARS:
+            m.delenv(k, raising=False)
+        for k, v in env.items():
+            m.setenv(k, v)
+        if "NANOEULER_CACHE" in env:                 # read once, at import, into prepare_data's default
+            m.setattr(pl, "CACHE", env["NANOEULER_CACHE"])
+            m.setattr(pl.prepare_data, "__defaults__", (env["NANOEULER_CACHE"],))
+        if not plots:
+            m.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
+        m.setattr(sys, "stdin", io.StringIO(input or ""))
+        m.setattr(sys, "argv", [script, *map(str, args)])
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code
+        except Exception:                            # what the interpreter prints of an uncaught exception
+            traceback.print_exc(file=err)
+            code = 1
+    for w in shown:
+        err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    if isinstance(code, str):
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess([script, *args], code or 0, out.getvalue(), err.getvalue())
+
+
 def run_gpu(*args, env=None, timeout=900):
     return run_engine("nanoeuler_cuda.py", *args, env=env, timeout=timeout)
 
@@ -74,9 +125,9 @@ def no_cupy(folder):
 # ----------------------------------------------------------------------------------------------------
 # a corpus, a one-step run and a model with known heads (the CPU engine's, the CLI's and the GPU's tests)
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    """A small English text file and a private tokenizer cache."""
+    """A small English text file and a private tokenizer cache (one a worker: its runs read it, or copy it)."""
     d = tmp_path_factory.mktemp("corpus")
     text, _ = pl.default_corpus()
     path = d / "corpus.txt"
@@ -85,13 +136,14 @@ def corpus(tmp_path_factory):
 
 
 def train_cpu(out, corpus, *extra):
-    """A short run of nanoeuler.py train on the corpus fixture into out (batch 2 of 32 tokens), more flags in extra."""
+    """A short run of nanoeuler.py train on the corpus fixture into out (batch 2 of 32 tokens), more flags in
+    extra; in this process (cli_here), no loss plot."""
     path, env = corpus
-    return run_cli("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
-                   "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env)
+    return cli_here("train", "--data", path, "--out", out, "--batch", 2, "--seq", 32, "--eval-every", 3,
+                    "--sample-every", 0, "--ckpt-every", 1000, *extra, env_extra=env, plots=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_step_ckpt(tmp_path_factory, corpus):
     out = tmp_path_factory.mktemp("one_step")
     r = train_cpu(out, corpus, "--steps", 1)

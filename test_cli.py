@@ -13,13 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 import bpe
-from conftest import ROOT, assert_one_line_error, no_cupy, one_error_line, run_cli, run_engine, run_gpu
+from conftest import ROOT, assert_one_line_error, cli_here, no_cupy, one_error_line, run_cli, run_engine, run_gpu, run_here
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
@@ -131,26 +130,27 @@ def test_every_cli_answers_help():
     for script, args in (("nanoeuler.py", []), ("nanoeuler.py", ["train"]), ("nanoeuler_cuda.py", []),
                          ("nanoeuler_cuda.py", ["train"]), ("nanoeuler_cuda.py", ["t"]), ("bpe.py", []),
                          ("bpe.py", ["encode"]), ("gradcheck.py", [])):
-        r = run_engine(script, *args, "--help")
+        r = run_here(script, *args, "--help")
         assert r.returncode == 0 and "usage" in r.stdout.lower() + r.stderr.lower() or "Modes" in r.stdout, \
             (script, args, r.stdout, r.stderr)
-    r = run_engine("nanoeuler_cuda.py", "--help")
+    r = run_here("nanoeuler_cuda.py", "--help")
     assert "CONTRACT.md" in r.stdout and all(w in r.stdout for w in ("selftest", "gradcheck", "train", "sample"))
 
 
 def test_train_help_gives_the_lr_default_once():
     """--lr's help read "(small; 0.001 for the others) (default 0.003)": the default, then its exceptions."""
-    out = " ".join(run_cli("train", "--help").stdout.split())
+    out = " ".join(cli_here("train", "--help").stdout.split())
     assert "peak learning rate (default 0.003 for small, 0.001 for the other configs)" in out, out
 
 
 def test_importing_an_engine_loads_no_server_exporter_or_launcher():
     """The engines are libraries too (gradcheck.py, the GPU's references, the tests): serve, export, evaluate
-    and distributed load in the modes that use them. pipeline.py loads none either."""
-    for module in ("nanoeuler", "nanoeuler_cuda", "pipeline"):
-        r = subprocess.run([sys.executable, "-c", f"import {module}, sys; print(sorted(m for m in ('serve','export',"
-                            "'evaluate','distributed') if m in sys.modules))"], cwd=ROOT, capture_output=True, text=True)
-        assert r.returncode == 0 and r.stdout == "[]\n", (module, r.stdout, r.stderr)
+    and distributed load in the modes that use them. pipeline.py loads none either. One fresh interpreter
+    imports all three: any of them loading one of those modules shows."""
+    r = subprocess.run([sys.executable, "-c", "import nanoeuler, nanoeuler_cuda, pipeline, sys; print(sorted(m for m in "
+                        "('serve', 'export', 'evaluate', 'distributed') if m in sys.modules))"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "[]\n", (r.stdout, r.stderr)
 
 
 def test_one_dispatch_lists_the_modes_and_their_letters(capsys):
@@ -212,14 +212,16 @@ def test_modes_return_none_or_an_exit_status():
 
 def test_every_command_line_keeps_one_rule_for_mistakes():
     """0 on success, 1 and one error line for a mistake (a misspelt mode gets the nearest name), 130 for Ctrl-C
-    (test_ctrl_c_exits_130_everywhere): gradcheck.py exited 2 for bad arguments and named no mode."""
+    (test_ctrl_c_exits_130_everywhere): gradcheck.py exited 2 for bad arguments and named no mode. A real
+    process of each command line: its __main__ guard passes main's status to the shell."""
     for script, args, words in (("nanoeuler.py", ["trian"], ["did you mean train?"]),
                                 ("nanoeuler_cuda.py", ["trian"], ["did you mean train?"]),
                                 ("gradcheck.py", ["modle"], ["did you mean model?"]),
-                                ("gradcheck.py", ["model", "--fast"], ["unrecognized arguments: --fast"]),
                                 ("bpe.py", ["trian"], ["invalid choice"])):
         r = run_engine(script, *args)
         assert r.returncode == 1 and one_error_line(r, *words), (script, args, r.returncode, r.stderr)
+    r = run_here("gradcheck.py", "model", "--fast")
+    assert r.returncode == 1 and one_error_line(r, "unrecognized arguments: --fast"), (r.returncode, r.stderr)
 
 
 def _interrupted(script, *args, ready="", env=None):
@@ -258,7 +260,7 @@ def test_sample_takes_the_prompt_as_a_word_or_a_flag(monkeypatch, one_step_ckpt)
     with pytest.raises(pl.UserError, match="two prompts"):
         pl.prompt_arg(cpu_args(monkeypatch, "sample", "a", "--prompt", "b"))
     flags = ("--ckpt", one_step_ckpt, "--tokens", 6, "--temperature", 0)
-    word, flag = run_cli("i", "It was", *flags), run_cli("sample", "--prompt", "It was", *flags)
+    word, flag = cli_here("i", "It was", *flags), cli_here("sample", "--prompt", "It was", *flags)
     assert word.returncode == 0 and word.stdout.startswith("It was") and word.stdout == flag.stdout, word.stderr
 
 
@@ -305,7 +307,7 @@ def test_speed_line_reports_the_warm_up_apart(monkeypatch, capsys):
 def test_sample_prints_its_warm_up_and_steady_rate(one_step_ckpt):
     """The line sample prints on the CPU: warm-up and rate apart, and together they fit in the run's time."""
     t0 = time.perf_counter()
-    r = run_cli("sample", "--ckpt", one_step_ckpt, "--tokens", 60, "--temperature", 0, "--no-speculative")
+    r = cli_here("sample", "--ckpt", one_step_ckpt, "--tokens", 60, "--temperature", 0, "--no-speculative")
     wall = time.perf_counter() - t0
     m = SPEED.search(r.stderr)
     assert r.returncode == 0 and m, r.stderr
@@ -341,39 +343,39 @@ def test_outputs_are_ignored_by_git():
 # the CPU engine's mistakes: usage, sampling flags, missing, empty or binary data, bad checkpoints
 
 def test_usage_mistakes_get_one_line(tmp_path):
-    assert_one_line_error(run_cli("train", "--stpes", 5), "--stpes", "did you mean --steps")
-    assert_one_line_error(run_cli("train", "5"), "unknown config '5'")
+    assert_one_line_error(cli_here("train", "--stpes", 5), "--stpes", "did you mean --steps")
+    assert_one_line_error(cli_here("train", "5"), "unknown config '5'")
     assert_one_line_error(run_engine("bpe.py", "train"), "required")
-    assert_one_line_error(run_engine("gradcheck.py", "nope"), "invalid choice")
-    assert_one_line_error(run_cli("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
-    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
-    assert_one_line_error(run_cli("sample", "--ckpt", ROOT / "README.md"), "not a NanoEuler checkpoint")
-    assert "allow_pickle" not in run_cli("sample", "--ckpt", ROOT / "README.md").stderr
+    assert_one_line_error(run_here("gradcheck.py", "nope"), "invalid choice")
+    assert_one_line_error(cli_here("train", "--data", tmp_path, "--out", tmp_path / "o"), "is a folder")
+    assert_one_line_error(cli_here("sample", "--ckpt", tmp_path), "folder without a ckpt.npz")
+    assert_one_line_error(cli_here("sample", "--ckpt", ROOT / "README.md"), "not a NanoEuler checkpoint")
+    assert "allow_pickle" not in cli_here("sample", "--ckpt", ROOT / "README.md").stderr
 
 
 def test_bad_input_gets_one_line(tmp_path, corpus):
-    assert_one_line_error(run_cli("fly"), "invalid choice")
-    assert_one_line_error(run_cli("train", "--bogus"), "unrecognized")
-    assert_one_line_error(run_cli("bench", env_extra={"NANOEULER_THREADS": "two"}), "NANOEULER_THREADS")
-    assert_one_line_error(run_cli("train", "--data", tmp_path / "missing.txt", "--out", tmp_path / "o"), "not found")
+    assert_one_line_error(cli_here("fly"), "invalid choice")
+    assert_one_line_error(cli_here("train", "--bogus"), "unrecognized")
+    assert_one_line_error(run_cli("bench", env_extra={"NANOEULER_THREADS": "two"}), "NANOEULER_THREADS")  # read once
+    assert_one_line_error(cli_here("train", "--data", tmp_path / "missing.txt", "--out", tmp_path / "o"), "not found")
     (tmp_path / "empty.txt").write_text("")
-    assert_one_line_error(run_cli("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o"), "empty")
+    assert_one_line_error(cli_here("train", "--data", tmp_path / "empty.txt", "--out", tmp_path / "o"), "empty")
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 10)
-    assert_one_line_error(run_cli("train", "--data", tmp_path / "bin.txt", "--out", tmp_path / "o"), "not text")
+    assert_one_line_error(cli_here("train", "--data", tmp_path / "bin.txt", "--out", tmp_path / "o"), "not text")
     (tmp_path / "odd.bin").write_bytes(b"abc")
     (tmp_path / "odd.bpe").write_text("x")
-    r = run_cli("train", "--data", tmp_path / "odd.bin", "--out", tmp_path / "o")
+    r = cli_here("train", "--data", tmp_path / "odd.bin", "--out", tmp_path / "o")
     assert_one_line_error(r)
-    assert_one_line_error(run_cli("sample", "--ckpt", tmp_path / "none.npz"), "not found")
+    assert_one_line_error(cli_here("sample", "--ckpt", tmp_path / "none.npz"), "not found")
 
 
 def test_sampling_flags_are_checked(one_step_ckpt):
     ck = one_step_ckpt
-    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--temperature", -1), "--temperature -1")
-    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--tokens", -5), "--tokens -5")
-    assert_one_line_error(run_cli("sample", "--ckpt", ck, "--top-k", -2), "--top-k -2")
-    assert_one_line_error(run_cli("chat", "--ckpt", ck, "--temperature", -1, stdin="hi\n"), "--temperature")
-    r = run_cli("sample", "--ckpt", ck, "--tokens", 100000, "--prompt", "The", "--temperature", 0)
+    assert_one_line_error(cli_here("sample", "--ckpt", ck, "--temperature", -1), "--temperature -1")
+    assert_one_line_error(cli_here("sample", "--ckpt", ck, "--tokens", -5), "--tokens -5")
+    assert_one_line_error(cli_here("sample", "--ckpt", ck, "--top-k", -2), "--top-k -2")
+    assert_one_line_error(cli_here("chat", "--ckpt", ck, "--temperature", -1, stdin="hi\n"), "--temperature")
+    r = cli_here("sample", "--ckpt", ck, "--tokens", 100000, "--prompt", "The", "--temperature", 0)
     assert r.returncode == 0 and "the context of 512 tokens is full" in r.stderr, r.stderr   # a run folder works
 
 
@@ -383,10 +385,10 @@ def test_a_bin_whose_tokenizer_outgrows_the_config_names_one_that_fits(tmp_path,
     tok = bpe.Tokenizer.train(text, 700)
     tok.save(str(tmp_path / "d.bpe"))
     np.array(tok.encode(text), "<u2").tofile(tmp_path / "d.bin")
-    r = run_cli("train", "--data", tmp_path / "d.bin", "--out", tmp_path / "o")
+    r = cli_here("train", "--data", tmp_path / "d.bin", "--out", tmp_path / "o")
     assert_one_line_error(r, "700 token ids", "small", "medium")
-    r = run_cli("train", "medium", "--data", tmp_path / "d.bin", "--out", tmp_path / "o", "--steps", 1, "--batch", 1,
-                "--seq", 32, "--sample-every", 0)
+    r = cli_here("train", "medium", "--data", tmp_path / "d.bin", "--out", tmp_path / "o", "--steps", 1, "--batch", 1,
+                 "--seq", 32, "--sample-every", 0, plots=False)
     assert r.returncode == 0 and "10,490,112 parameters" in r.stdout, r.stderr
 
 
@@ -516,15 +518,15 @@ def _cli_cases(d):
 
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
+    """Each case's result, its main() called in this process (run_here: the exit status and stderr that
+    `sys.exit(main())` would give; test_usage_mistakes_get_one_line and test_bad_input_gets_one_line prove
+    the same rule through real processes of each command line)."""
     d = str(tmp_path_factory.mktemp("cli"))
-
-    def run(case):
-        name, argv, words = case
+    results = {}
+    for name, argv, words in _cli_cases(d):
         script, argv = (argv[0], argv[1:]) if argv[0].endswith(".py") else ("nanoeuler.py", argv)
-        return name, (run_engine(script, *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")},
-                                 timeout=300), words)
-    with ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(run, _cli_cases(d)))
+        results[name] = run_here(script, *argv, env={"NANOEULER_CACHE": os.path.join(d, "cache")}), words
+    return results
 
 
 def test_every_cli_mistake_gets_one_line(cli_results):
@@ -542,22 +544,30 @@ def test_every_cli_mistake_gets_one_line(cli_results):
 # the GPU engine's mistakes (no GPU needed)
 
 def test_unknown_mode_and_flag_give_one_line():
-    assert one_error_line(run_gpu("zz"))
-    assert one_error_line(run_gpu("g", "--no-such-flag"))
-    assert one_error_line(run_gpu("t", "--steps", "many"))
+    assert one_error_line(run_here("nanoeuler_cuda.py", "zz"))
+    assert one_error_line(run_here("nanoeuler_cuda.py", "g", "--no-such-flag"))
+    assert one_error_line(run_here("nanoeuler_cuda.py", "t", "--steps", "many"))
 
 
 def test_unknown_precision_gives_one_line():
     for args in (["t", "--precision", "fp8"], ["s", "--precision", "fp16"], ["g", "--precision", "tf32"],
                  ["bench", "--precision", "bf16,fp8"]):
-        r = run_gpu(*args)
+        r = run_here("nanoeuler_cuda.py", *args)
         assert one_error_line(r) and "fp" in r.stderr, (args, r.stderr)
 
 
-def test_without_cupy_every_mode_says_so(tmp_path):
-    """A CuPy that cannot be imported: each mode ends with one line and a non-zero exit."""
-    env = no_cupy(tmp_path)
+def test_without_cupy_every_mode_says_so(tmp_path, monkeypatch):
+    """A CuPy that cannot be imported: each mode ends with one line and a non-zero exit. One real process
+    with a stand-in cupy module that fails to import; the other modes in this process, where `import cupy`
+    fails as well (None in sys.modules) and no earlier test's CuPy is kept (nc.cp). selftest, the mode run
+    without one, compiles every kernel with NVRTC first (20 s; test_every_kernel_compiles_with_nvrtc's work):
+    here it finds no libnvrtc, its other branch."""
+    r = run_gpu("t", "--steps", "1", env=no_cupy(tmp_path))
+    assert one_error_line(r, "CuPy"), (r.stdout, r.stderr)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(nc, "cp", None)
+    monkeypatch.setattr(nc, "compile_check", lambda: (None, []))
     for args in ([], ["g"], ["t", "--steps", "1"], ["tr"], ["i", "It was"], ["s"], ["c"], ["bench"]):
-        r = run_gpu(*args, env=env)
+        r = run_here("nanoeuler_cuda.py", *args)
         assert one_error_line(r), (args, r.stdout, r.stderr)
         assert "CuPy" in r.stderr

@@ -17,7 +17,7 @@ import pytest
 
 import distributed as dist
 import pipeline as pl
-from conftest import GPUS, ROOT, one_error_line, run_gpu
+from conftest import GPUS, ROOT, one_error_line, run_gpu, run_here
 
 
 def free_port():
@@ -50,23 +50,32 @@ def fake_cupy(tmp_path, gpus):
     return {"PYTHONPATH": str(tmp_path)}
 
 
-def test_launcher_mistakes_give_one_error_line(tmp_path):
+def test_launcher_mistakes_give_one_error_line(tmp_path, monkeypatch):
+    """The first in a process with the stand-in cupy; the others in this process (conftest.run_here), with
+    the stand-in imported in sys.modules."""
+    import importlib
+    import nanoeuler_cuda as nc
     two = fake_cupy(tmp_path, 2)
     r = run_gpu("train", "small", "--gpus", 3, env=two)
     assert one_error_line(r, "--gpus 3", "has 2 GPUs"), r.stderr
-    assert one_error_line(run_gpu("train", "--gpus", 0), "--gpus 0"), r.stderr
-    assert one_error_line(run_gpu("bench", "--gpus", 3, env=two), "has 2 GPUs")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setitem(sys.modules, "cupy", importlib.import_module("cupy"))
+    monkeypatch.setattr(nc, "cp", None)
+    gpu = lambda *args, env=None: run_here("nanoeuler_cuda.py", *args, env=env)
+    assert one_error_line(gpu("train", "--gpus", 0), "--gpus 0"), r.stderr
+    assert one_error_line(gpu("bench", "--gpus", 3), "has 2 GPUs")
     with socket.socket() as s:                      # the rendezvous port taken by another program
         s.bind(("127.0.0.1", 0))
         s.listen()
-        r = run_gpu("train", "small", "--gpus", 2, env={**two, "MASTER_PORT": str(s.getsockname()[1])})
+        r = gpu("train", "small", "--gpus", 2, env={"MASTER_PORT": str(s.getsockname()[1])})
         assert one_error_line(r, "cannot serve the rendezvous", str(s.getsockname()[1]), "MASTER_PORT"), r.stderr
-    r = run_gpu("train", "small", "--gpus", 2, env={"RANK": "0", "WORLD_SIZE": "3"})
+    r = gpu("train", "small", "--gpus", 2, env={"RANK": "0", "WORLD_SIZE": "3"})
     assert one_error_line(r, "--gpus 2", "WORLD_SIZE=3"), r.stderr
-    r = run_gpu("train", "small", env={"RANK": "3", "WORLD_SIZE": "2"})
+    r = gpu("train", "small", env={"RANK": "3", "WORLD_SIZE": "2"})
     assert one_error_line(r, "RANK=3"), r.stderr
-    (tmp_path / "cupy" / "__init__.py").write_text("raise ImportError('no CUDA here (test)')\n")
-    assert one_error_line(run_gpu("train", "--gpus", 2, env=two), "CuPy")
+    monkeypatch.setitem(sys.modules, "cupy", None)   # a cupy that cannot be imported
+    assert one_error_line(gpu("train", "--gpus", 2), "CuPy")
 
 
 # ---------------------------------------------------------------- the rendezvous and its watchdog, CPU only
@@ -244,12 +253,12 @@ def test_train_loop_on_a_rank_other_than_0_writes_nothing(tmp_path):
 
 def test_cpu_engine_grad_accum_is_the_larger_batch(tmp_path):
     """The CPU engine takes --grad-accum K as one batch of K x batch rows: the same losses as --batch K*B."""
-    import nanoeuler as ne
     logs = []
     for i, flags in enumerate((["--batch", "4"], ["--batch", "2", "--grad-accum", "2"])):
         out = tmp_path / str(i)
-        assert ne.main(["train", "tiny", "--steps", "3", "--seq", "16", "--log-every", "1", "--eval-every", "3",
-                        "--sample-every", "0", "--out", str(out), *flags]) in (0, None)
+        r = run_here("nanoeuler.py", "train", "tiny", "--steps", "3", "--seq", "16", "--log-every", "1", "--eval-every",
+                     "3", "--sample-every", "0", "--out", str(out), *flags, plots=False)   # no loss plot: 1-2 s
+        assert r.returncode == 0, r.stderr
         logs.append([json.loads(l)["loss"] for l in open(out / "train_log.jsonl")])
     assert logs[0] == logs[1] and len(logs[0]) == 3
 

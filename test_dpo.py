@@ -15,7 +15,7 @@ import pytest
 
 import bpe
 import gradcheck
-from conftest import ROOT, no_cupy, one_error_line, run_engine
+from conftest import ROOT, one_error_line, run_engine, run_here
 import nanoeuler as ne
 import pipeline as pl
 
@@ -233,7 +233,7 @@ def test_cli_dpo_writes_a_chat_checkpoint_with_its_metrics(ckpts, tmp_path):
     out = tmp_path / "dpo"
     args = ("dpo", "--ckpt", ckpts / "chat.npz", "--data", ckpts / "prefs.jsonl", "--steps", 4, "--batch", 2,
             "--lr", 1e-3, "--out", out)
-    r = run_engine("nanoeuler.py", *args, timeout=120)
+    r = run_here("nanoeuler.py", *args)                    # in this process (conftest.run_here)
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert "20 pairs, 2 held out, beta 0.1" in r.stdout
     assert ("pairs longer than the context of 160 tokens: 1 kept their answers and lost the start of their prompt, "
@@ -344,12 +344,16 @@ def test_get_prefs_bad_source_is_one_error_line(tmp_path, source, content):
 
 
 
-def test_gpu_dpo_mode_without_cupy_is_one_error_line(tmp_path):
-    env = no_cupy(tmp_path)
+def test_gpu_dpo_mode_without_cupy_is_one_error_line(monkeypatch):
+    """In this process, where `import cupy` fails (None in sys.modules; test_cli.py's
+    test_without_cupy_every_mode_says_so runs the engine in a process with a cupy that fails to import)."""
+    import nanoeuler_cuda as nc
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(nc, "cp", None)
     for args, words in ((["d"], "CuPy"), (["dpo", "--steps", "0"], "--steps 0"), (["gradcheck", "--dpo"], "CuPy")):
-        r = run_engine("nanoeuler_cuda.py", *args, env=env)
+        r = run_here("nanoeuler_cuda.py", *args)
         assert r.returncode == 1 and one_error_line(r, words), r.stderr
-    r = run_engine("nanoeuler_cuda.py", "d", "--help")
+    r = run_here("nanoeuler_cuda.py", "d", "--help")
     assert r.returncode == 0 and "--beta" in r.stdout and "--precision" in r.stdout
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import bpe
 import evaluate
-from conftest import ROOT, no_cupy, one_error_line, run_engine
+from conftest import ROOT, one_error_line, run_engine, run_here
 import nanoeuler as ne
 import pipeline as pl
 
@@ -114,13 +114,14 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
         evaluate.plot([str(tmp_path)], str(tmp_path / "x.png"))
 
 
-def _train_tiny(tmp_path, *args):
-    """nanoeuler.py train tiny on a small text with args (batch 2, seq 16, an eval every 2 steps) -> its run folder."""
+def _train_tiny(tmp_path, *args, plots=True):
+    """nanoeuler.py train tiny on a small text with args (batch 2, seq 16, an eval every 2 steps) -> its run
+    folder; in this process (conftest.run_here), as without matplotlib if not plots."""
     data = tmp_path / "text.txt"
     data.write_text("The cat sat on the mat. A dog ran in the park. " * 60)
     run = tmp_path / "run"
-    r = run_engine("nanoeuler.py", "train", "tiny", "--batch", 2, "--seq", 16, "--eval-every", 2, "--sample-every", 0,
-                   "--data", data, "--out", run, *args, env={"NANOEULER_CACHE": str(tmp_path / "cache")}, timeout=120)
+    r = run_here("nanoeuler.py", "train", "tiny", "--batch", 2, "--seq", 16, "--eval-every", 2, "--sample-every", 0,
+                 "--data", data, "--out", run, *args, env={"NANOEULER_CACHE": str(tmp_path / "cache")}, plots=plots)
     assert r.returncode == 0, r.stderr
     return run
 
@@ -134,7 +135,7 @@ def test_train_writes_report_and_plot(tmp_path):
                  "![loss curves](loss.png)"):
         assert want in report, want
     png = tmp_path / "plot.png"
-    r = run_engine("nanoeuler.py", "plot", run, run, "--out", png, timeout=60)
+    r = run_here("nanoeuler.py", "plot", run, run, "--out", png)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = image.imread(str(png))
@@ -146,7 +147,7 @@ def test_train_writes_report_and_plot(tmp_path):
 
 def test_report_counts_grad_accum_tokens(tmp_path):
     """--grad-accum 2: a step sees 2 micro-batches, and the report and the curves count both."""
-    run = _train_tiny(tmp_path, "--steps", 2, "--grad-accum", 2)
+    run = _train_tiny(tmp_path, "--steps", 2, "--grad-accum", 2, plots=False)
     assert "tokens seen: 128 (2 steps x 64)" in (run / "report.md").read_text()
     assert list(evaluate.curves(str(run))["tokens"]) == [64, 128]
 
@@ -180,18 +181,22 @@ def test_get_hellaswag_fixture_idempotent_and_bad_source(tmp_path):
 
 
 
-def test_gpu_engine_eval_without_cupy_and_plot_without_a_gpu(tmp_path):
-    env = no_cupy(tmp_path)
+def test_gpu_engine_eval_without_cupy_and_plot_without_a_gpu(tmp_path, monkeypatch):
+    """In this process, where `import cupy` fails (None in sys.modules; test_cli.py's
+    test_without_cupy_every_mode_says_so runs the engine in a process with a cupy that fails to import)."""
+    import nanoeuler_cuda as nc
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(nc, "cp", None)
     for args, words in ((["eval"], "CuPy"), (["eval", "--limit", "0"], "--limit"), (["eval", "--task", "bpb"], "--data"),
                         (["plot", tmp_path / "no_run"], "run folder not found")):
-        r = run_engine("nanoeuler_cuda.py", *args, env=env)
+        r = run_here("nanoeuler_cuda.py", *args)
         assert r.returncode == 1 and one_error_line(r, words), r.stderr
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
     run.mkdir()
     (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s, "ms": 10, "tok_s": 100}) + "\n"
                                                  for s in (1, 2, 3)))
-    r = run_engine("nanoeuler_cuda.py", "plot", run, "--out", tmp_path / "p.png", env=env)
+    r = run_here("nanoeuler_cuda.py", "plot", run, "--out", tmp_path / "p.png")
     assert r.returncode == 0 and (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", r.stderr
 
 

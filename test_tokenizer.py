@@ -17,7 +17,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import bpe
-from conftest import run_engine
+from conftest import run_engine, run_here
 
 
 def _corpus():
@@ -345,7 +345,7 @@ def test_cli_train_encode_stats(tmp_path):
     r = run_engine("bpe.py", "stats", tmp_path / "c.tok", tmp_path / "c.txt")
     assert r.returncode == 0 and "bytes/token" in r.stdout
     for cmd in ("train", "encode", "stats"):
-        assert run_engine("bpe.py", cmd, "--help").returncode == 0
+        assert run_here("bpe.py", cmd, "--help").returncode == 0
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -359,8 +359,8 @@ def test_cli_errors_are_one_line(tmp_path):
              ("stats", tmp_path / "missing.tok", tmp_path / "empty.txt"),
              ("stats", tmp_path / "t.tok", tmp_path / "empty.txt"),
              ("train", tmp_path / "binary.txt", "--vocab", 300, "-o", tmp_path / "o.tok")]
-    for args in cases:
-        r = run_engine("bpe.py", *args)
+    for args in cases:                               # in this process (conftest.run_here); the commands above,
+        r = run_here("bpe.py", *args)                # and test_cli.py's bpe.py mistakes, run in real processes
         assert r.returncode == 1, args
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
