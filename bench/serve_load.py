@@ -3,6 +3,7 @@ bench/serve_load.py -- the serve mode under load: N clients at once, through rea
 
     python3 bench/serve_load.py --engine cpu --ckpt out_chat --clients 1 8 --tokens 100
     python3 bench/serve_load.py --engine gpu --ckpt out_chat --clients 1 8 32 64 --tokens 100
+    python3 bench/serve_load.py --engine fake --ckpt out_chat --clients 1 8 32 64     # serve's own ceiling
 
 Starts `nanoeuler.py serve` (cpu) or `nanoeuler_cuda.py serve` (gpu) on a free port, then for each level
 N sends N streamed chat completions at once from N threads (the standard library's http.client), each a
@@ -12,7 +13,9 @@ which serve honours: <|endoftext|> does not end an answer, so every answer runs 
 chunk, over the wave's wall time), time to first token (the first chunk with text) and latency (until
 [DONE]), p50 and p95 over the level's requests, and the server process's CPU time per token (all its
 threads; a figure that other load on the machine does not change much). The clients run on the server's
-machine and take some of its CPU: on a 2-core machine that lowers the CPU engine's figures.
+machine and take some of its CPU: on a 2-core machine that lowers the CPU engine's figures. The fake
+engine (--engine fake: the checkpoint's tokenizer and context, a decoder whose step returns ids at once)
+measures what serve itself costs: its ceiling in tokens/s, whatever the engine.
 """
 import argparse
 import http.client
@@ -26,7 +29,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py"}
+SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py", "fake": "bench/serve_load.py"}
+FAKE_ROWS = 64              # the fake engine's default batch, the GPU's largest
 WORDS = ("Write a short story about the sea, a city at night or an old clock. It should have a beginning, a "
          "middle and an end, a main character with a name, one surprising event, and a closing line that makes "
          "the reader smile. Use simple words, short sentences and no more than two paragraphs, and tell it in "
@@ -119,7 +123,7 @@ def pct(xs, p):
 
 
 def start_server(a):
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[a.engine]), "serve", "--ckpt", a.ckpt, "--port", "0",
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[a.engine]), "fake-serve" if a.engine == "fake" else "serve", "--ckpt", a.ckpt, "--port", "0",
            "--temperature", "0.8", "--max-queue", str(max(a.clients) + 1)]
     if a.max_batch:
         cmd += ["--max-batch", str(a.max_batch)]
@@ -133,7 +137,47 @@ def start_server(a):
     return p, int(m.group(1)), line.strip()
 
 
+class FakeDecoder:
+    """serve's decoder interface (serve.py's docstring) at no cost: every row draws the same cycle of
+    ordinary text ids, a step returns them at once, so what a level costs is serve's own work."""
+
+    def __init__(self, tok, ctx, capacity):
+        import numpy as np
+        self.capacity, self.ctx = capacity, ctx
+        cycle = tok.encode(" ".join(WORDS))                      # text ids, never <|endoftext|>
+        self.ids = np.tile(np.array(cycle, dtype=np.int64)[:, None], (1, capacity))   # (len(cycle), capacity)
+        self.k = 0
+
+    def start(self, row, ids, sampling, seed):
+        return int(self.ids[0, 0])
+
+    def step(self, rows):
+        self.k = (self.k + 1) % len(self.ids)
+        return self.ids[self.k, :len(rows)]
+
+    def free(self, row):
+        pass
+
+
+def fake_serve(argv):
+    """The serve mode over FakeDecoder: `python3 bench/serve_load.py fake-serve SERVE_FLAGS`."""
+    sys.path.insert(0, ROOT)
+    import pipeline as pl
+    import serve
+    p = pl.Parser(prog="serve_load.py fake-serve", description="serve over a decoder that costs nothing")
+    serve.add_serve_flags(p, ckpt=None, max_batch_help=f"default {FAKE_ROWS}")
+    a = p.parse_args(argv)
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: FakeDecoder(tok, P.cfg.ctx, rows or FAKE_ROWS),
+              "fake")
+
+
 def main():
+    if sys.argv[1:2] == ["fake-serve"]:
+        try:
+            return fake_serve(sys.argv[2:])
+        except KeyboardInterrupt:
+            return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("--engine", choices=SCRIPTS, default="cpu")
     ap.add_argument("--ckpt", required=True, help="the checkpoint (file or run folder) to serve")
