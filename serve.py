@@ -56,6 +56,7 @@ import ipaddress
 import itertools
 import json
 import os
+import queue
 import select
 import socket
 import sys
@@ -718,6 +719,28 @@ class Server(ThreadingHTTPServer):
         self.started, self.ids, self.log_lock = int(time.time()), itertools.count(1), threading.Lock()
         super().__init__(address, Handler)
         self.scheduler = Scheduler(requests.tok, decoder, self.log, max_queue or MAX_QUEUE)
+        self.connections, self.idle, self.threads = queue.SimpleQueue(), 0, 0   # accepted; threads waiting; all
+        self.pool_lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        """A connection goes to a thread that has finished its last one, or to a new thread when none waits
+        (a new thread a connection cost ~0.15 ms more of the server's CPU a request, on 2 cores)."""
+        with self.pool_lock:
+            spawn = self.idle == 0
+            self.idle -= not spawn
+            self.threads += spawn
+        if spawn:
+            threading.Thread(target=self.connection_thread, daemon=True).start()
+        self.connections.put((request, client_address))
+
+    def connection_thread(self):
+        while True:
+            request, client_address = self.connections.get()
+            if request is None:
+                return
+            self.process_request_thread(request, client_address)
+            with self.pool_lock:
+                self.idle += 1
 
     def handle_error(self, request, client_address):
         """A connection that failed (reset, timed out, closed under a reply) costs one line; a bug a traceback."""
@@ -741,6 +764,8 @@ class Server(ThreadingHTTPServer):
         super().server_close()
         if hasattr(self, "scheduler"):                   # not when the address could not be bound
             self.scheduler.close()
+            for _ in range(self.threads):                # each connection thread ends after its connection
+                self.connections.put((None, None))
 
 
 # ----------------------------------------------------------------------------------------------------
