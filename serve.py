@@ -17,8 +17,9 @@ already wait; a request whose logits go non-finite gets a 500 (streamed: an erro
 
 Chat messages take the SFT template of CONTRACT.md (a chat checkpoint) or are joined as plain text (a base
 checkpoint, which continues it), one turn per user message, as the chat mode does (pipeline.user_turn and
-fit_turns): the oldest turns are dropped when the conversation outgrows the context. A system message goes
-in front of the next user message. Generation ends at <|endoftext|> or a stop string ("stop"), at
+fit_turns): the oldest turns are dropped when the conversation outgrows the context. A prompt (or last
+turn) longer than the context keeps its last tokens, leaving room to answer as sample does (fit_prompt);
+usage counts the tokens kept. A system message goes in front of the next user message. Generation ends at <|endoftext|> or a stop string ("stop"), at
 max_tokens or the context's end ("length").
 
 The engine hands serve a decoder of `capacity` rows (--max-batch), used from the scheduler thread alone:
@@ -236,26 +237,26 @@ class Requests:
             raise ApiError(400, "stream must be true or false", "stream")
         if not isinstance(body.get("stream_options") or {}, dict):
             raise ApiError(400, "stream_options must be an object, as {\"include_usage\": true}", "stream_options")
-        prompt = self.chat_prompt(body, max_new) if chat else self.text_prompt(body)
+        prompt = self.chat_prompt(body, max_new) if chat else self.text_prompt(body, max_new)
         path = "/v1/chat/completions" if chat else "/v1/completions"      # an empty prompt starts a document:
         return Job(prompt or [self.tok.eot], max_new, sampling, seed % (1 << 64), stop, path,        # <|endoftext|>
                    n, body.get("ignore_eos", False))
 
-    def too_long(self, n, param):
-        return ApiError(400, f"the prompt is {n} tokens; this model's context is {self.ctx} tokens, and at least one "
-                             "must be left to answer in: shorten it", param, "context_length_exceeded")
+    def tail(self, ids, max_new):
+        """A prompt that does not fit the context keeps its last tokens, leaving room to answer as sample does
+        (pipeline.fit_prompt: max_tokens, at most half the context, at least one). One that fits is kept whole
+        (max_tokens beyond the room left ends the answer there, "length")."""
+        return ids if len(ids) < self.ctx else ids[len(ids) - (self.ctx - max(1, min(max_new, self.ctx // 2))):]
 
     def chat_prompt(self, body, max_new):
         turns, last = _messages(body)
         tok, chat = self.tok, self.chat
         ids = [(pl.user_turn(tok, u, chat, first=i == 0), tok.encode(a) + ([tok.eot] if chat else []))   # a chat
                for i, (u, a) in enumerate(turns)]                  # checkpoint's answers close with <|endoftext|>
-        new = pl.user_turn(tok, last, chat, first=not turns)
-        if len(new) >= self.ctx:
-            raise self.too_long(len(new), "messages")
+        new = self.tail(pl.user_turn(tok, last, chat, first=not turns), max_new)    # the oldest turns go first
         return pl.fit_turns(ids, new, self.ctx, max_new)[0]
 
-    def text_prompt(self, body):
+    def text_prompt(self, body, max_new):
         p = body.get("prompt")
         if p is None:
             raise ApiError(400, "prompt is missing: give the text to continue", "prompt")
@@ -269,9 +270,7 @@ class Requests:
                 raise ApiError(400, f"prompt holds token ids outside 0..{self.tok.vocab_size - 1}", "prompt")
         else:
             raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request)", "prompt")
-        if len(ids) >= self.ctx:
-            raise self.too_long(len(ids), "prompt")
-        return ids
+        return self.tail(ids, max_new)
 
 
 # ----------------------------------------------------------------------------------------------------

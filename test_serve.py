@@ -587,10 +587,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
      "messages[0].content", None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
                                                    {"role": "assistant", "content": "b"}]}, 400, "messages", None),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
-     "context_length_exceeded"),
     ("POST", "/v1/completions", {}, 400, "prompt", None),
-    ("POST", "/v1/completions", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
@@ -621,8 +618,36 @@ def test_mistakes_get_openai_error_bodies(chat_server, method, path, body, statu
     assert r.status == status and r.getheader("Content-Type") == "application/json"
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert (err["param"], err["code"]) == (param, code), err
-    if code == "context_length_exceeded":
-        assert "384" in err["message"]
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_tail(model, chat_server, capsys):
+    """Authority: issue 33, "a request whose prompt exceeds the context keeps its tail, as `sample` does":
+    the last tokens that pipeline.fit_prompt keeps (room for max_tokens, at most half the context, at least
+    one), as text, as token ids and as a chat's last turn (its earlier turns dropped first); usage counts the
+    tokens kept; the answer is the engine's after them; max_tokens beyond the room ends it there ("length")."""
+    tok, ctx = model[1], CFG.ctx
+    ids = tok.encode(LONG)
+    assert len(ids) > ctx
+    for max_tokens in (8, 300):
+        keep = pl.fit_prompt(ids, ctx, max_tokens)
+        assert len(keep) == ctx - min(max_tokens, ctx // 2) and keep == ids[-len(keep):]
+        text = tok.decode([t for t in ne.generate(model[0], keep, min(max_tokens, ctx - len(keep)), sampling=GREEDY)
+                           if t != tok.eot])
+        for prompt in (LONG, ids):
+            status, _, raw = post(chat_server, "/v1/completions", dict(prompt=prompt, max_tokens=max_tokens,
+                                                                       temperature=0, ignore_eos=True))
+            got = json.loads(raw)
+            assert status == 200 and got["usage"]["prompt_tokens"] == len(keep), got
+            assert got["usage"]["completion_tokens"] == min(max_tokens, ctx - len(keep))
+            assert got["choices"][0]["finish_reason"] == "length" and got["choices"][0]["text"] == text
+    turn = sft_ids(tok, [], LONG)
+    status, _, raw = post(chat_server, "/v1/chat/completions", dict(messages=[
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": LONG}], max_tokens=8, temperature=0))
+    got = json.loads(raw)
+    assert status == 200 and got["usage"]["prompt_tokens"] == ctx - 8
+    assert got["choices"][0]["message"]["content"] == engine_text(model, turn[-(ctx - 8):], 8)[0]
+    capsys.readouterr()                                  # (fit_prompt's line)
 
 
 def test_openai_client_raises_on_mistakes(chat_server):
