@@ -197,8 +197,10 @@ class Requests:
     """What the handlers share: the model's facts, the request defaults, the tokenizer (thread-safe) and the
     generator of seeds for requests that give none (behind a lock)."""
 
-    def __init__(self, tok, ctx, chat, name, defaults, seed, capacity):
+    def __init__(self, tok, ctx, chat, name, defaults, seed, capacity, vocab):
         self.tok, self.ctx, self.chat, self.name, self.defaults = tok, ctx, chat, name, defaults
+        self.bytes = [tok.decode_bytes([t]) for t in range(max(vocab, tok.vocab_size))]   # id -> its bytes (a list
+        self.bytes[tok.eot] = b""                 # reads faster than the tokenizer's dict); <|endoftext|> is no text
         self.capacity = capacity                  # rows of the batch: the most choices (n) of a request
         self.lock = threading.Lock()
         self.seeds = np.random.default_rng(seed)
@@ -562,7 +564,7 @@ class Handler(BaseHTTPRequestHandler):
         for its end) and scans it for stop strings. A stream (eager) looks as soon as there are ids, at most
         every FLUSH seconds; an answer without stop strings waits for its ends. Returns early, retiring the
         job, when the client has closed its connection (the scheduler then drops it, queued or running)."""
-        tok, scheduler, eot = self.server.requests.tok, self.server.scheduler, self.server.requests.tok.eot
+        scheduler, table = self.server.scheduler, self.server.requests.bytes
         state = [(ch, codecs.getincrementaldecoder("utf-8")(errors="replace"), StopScan(job.stop)) for ch in job.choices]
         sent, counts = [0] * job.n, [0] * job.n          # ids of each choice decoded; drawn by an ended one
         looked, wrote, seen = time.monotonic(), 0.0, -1  # seen: job.ends at the last look
@@ -588,16 +590,14 @@ class Handler(BaseHTTPRequestHandler):
                 if new and job.stop:                     # a stop string may end the text at any id
                     text = ""
                     for m, t in enumerate(new):
-                        if t != eot:
-                            piece, hit = scan.feed(dec.decode(tok.decode_bytes((t,))))
+                        if table[t]:
+                            piece, hit = scan.feed(dec.decode(table[t]))
                             text += piece
                             if hit:
                                 n = k + m + 1
                                 break
-                elif new:
-                    text = dec.decode(tok.decode_bytes([t for t in new if t != eot] if eot in new else new))
                 else:
-                    text = ""
+                    text = dec.decode(b"".join([table[t] for t in new])) if new else ""
                 if end is not None and not hit:          # the end: what was held back was no stop string
                     piece, hit = scan.feed(dec.decode(b"", final=True))
                     text += piece if hit else piece + scan.rest()
@@ -819,7 +819,7 @@ def make_server(a, tok, cfg, chat, decoder_factory, quiet=False):
     with open(PAGE, "rb") as f:
         page = f.read()
     decoder = decoder_factory(a.max_batch)
-    requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed, decoder.capacity)
+    requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed, decoder.capacity, cfg.vocab)
     try:
         return Server((a.host, a.port), requests, decoder, page, a.log, quiet, a.api_key, a.max_queue)
     except OSError as e:
