@@ -245,6 +245,8 @@ MUTANTS = [
     # issue 33 (h33s): serve's continuous batching
     ("a departed client keeps its row", "serve.py", [("elif ch is None and job.live:", "elif False:", 1)],
      ("test_serve.py::test_a_client_that_leaves_frees_its_place",)),
+    ("a stop string keeps its row", "serve.py", [("scheduler.retire(job, ch)", "pass", 1)],
+     ("test_serve.py::test_a_stop_string_frees_its_row_at_once",)),
     ("a full queue takes one more", "serve.py", [("if len(self.waiting) >= self.max_queue:", "if False:", 1)],
      ("test_serve.py::test_a_full_queue_answers_429_with_retry_after",)),
     ("the api key is not checked", "serve.py", [('if not key or not path.startswith("/v1"):', "if True:", 1)],

@@ -332,6 +332,29 @@ def test_a_client_that_leaves_frees_its_place(model, tmp_path):
         server.server_close()
 
 
+def test_a_stop_string_frees_its_row_at_once(model):
+    """Authority: issue 33, "a finished or cancelled one leaves and frees its cache slot at once". The stop
+    scan runs in the connection's thread (serve.py): the stop it finds frees the row within a few steps, not
+    at max_tokens; the text is the answer's up to the stop string, as alone."""
+    calls, delay = [], [0.0]
+    server = start(model, "chat", lambda rows: Recorded(model, rows, calls, delay), "--max-batch", 1)
+    try:
+        body = dict(messages=[{"role": "user", "content": "first"}], max_tokens=300, temperature=0)
+        whole = json.loads(post(server, "/v1/chat/completions", body)[2])
+        text = whole["choices"][0]["message"]["content"]
+        assert whole["usage"]["completion_tokens"] > 250 and len(text) > 40      # greedy: no early <|endoftext|>
+        stop = text[20:24]
+        delay[0] = 0.002                                 # 2 ms a step: 300 steps would take 0.6 s
+        got = json.loads(post(server, "/v1/chat/completions", dict(body, stop=stop))[2])
+        assert got["choices"][0]["message"]["content"] == text[:text.find(stop)]
+        assert got["choices"][0]["finish_reason"] == "stop"
+        _wait(lambda: calls[1]["closed"])
+        assert calls[1]["drawn"] < got["usage"]["completion_tokens"] + 100 < 250, calls[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ----------------------------------------------------------------------------------------------------
 # continuous batching: the same text as alone, n choices, a full queue, a key, a row gone wrong
 
