@@ -575,7 +575,7 @@ class Handler(BaseHTTPRequestHandler):
                 job.wake.clear()
             job.waiting = eager
             if job.ends == seen and job.error is None and not (eager and any(
-                    len(ch.ids) > k for (ch, _, _), k in zip(state, sent))):
+                    ch is not None and len(ch.ids) > k for (ch, _, _), k in zip(state, sent))):
                 job.wake.wait(POLL)
             job.waiting = False
             ends, error = job.ends, job.error           # read before the ids: every id before an end is there

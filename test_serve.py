@@ -497,6 +497,48 @@ def test_n_choices_are_rows_with_seeds_seed_plus_i(chat_server):
     assert chunks[-1].usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
+def test_choices_that_end_apart_each_stream_to_their_end(model):
+    """Authority: OpenAI's API reference, `n` and the chat completion chunk: each choice streams under its
+    index to its own finish_reason; usage counts every choice's tokens. Choice 0 ends (<|endoftext|>) after 3
+    ids, choice 1 after 40, 2 ms a step: the stream writes choice 1's text after choice 0 has ended."""
+    tok = model[1]
+    words = tok.encode(" one two three four five six seven eight nine ten" * 8)
+
+    class Apart:                                         # choice i (seed i) draws words, then <|endoftext|>
+        capacity, ctx, drawn = 2, CFG.ctx, {}
+
+        def start(self, row, ids, sampling, seed):
+            self.drawn[row] = (0, 3 if seed == 0 else 40)
+            return self.step([row])[0]
+
+        def step(self, rows):
+            time.sleep(0.002)
+            out = []
+            for r in rows:
+                k, n = self.drawn[r]
+                self.drawn[r] = (k + 1, n)
+                out.append(words[k] if k + 1 < n else tok.eot)
+            return np.array(out)
+
+        def free(self, row):
+            pass
+
+    server = start(model, "chat", lambda rows: Apart())
+    try:
+        status, _, raw = post(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], n=2,
+                                                                   seed=0, stream=True, max_tokens=100,
+                                                                   stream_options={"include_usage": True}))
+        chunks = sse_chunks(raw)
+        for i, n in ((0, 3), (1, 40)):
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+            assert "".join(m["delta"].get("content") or "" for m in mine) == tok.decode(words[:n - 1])
+            assert [m["finish_reason"] for m in mine][-1] == "stop" and mine[-1]["delta"] == {}
+        assert status == 200 and chunks[-1]["usage"]["completion_tokens"] == 43
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_full_queue_answers_429_with_retry_after(model):
     """Authority: OpenAI's error codes guide, 429 "Rate limit reached for requests": pace your requests and
     retry (the openai package raises RateLimitError); RFC 9110 10.2.3: Retry-After gives the seconds to wait.
