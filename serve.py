@@ -371,7 +371,8 @@ class Scheduler:
                 t = self.decoder.start(row, job.prompt, job.sampling, (job.seed + i) % (1 << 64))
             except Exception as e:                       # an engine failure ends this request, not the server
                 return self.fail(job, f"generation failed: {type(e).__name__}: {e}")
-            ch.ids.append(t)
+            if t >= 0:
+                ch.ids.append(t)
             if self.ended(ch, t):
                 if job.error is not None:
                     return
@@ -390,16 +391,19 @@ class Scheduler:
         active, eot, ended = self.active, self.tok.eot, []
         for row, t in zip(rows, ids):                    # per token: an append and integer checks
             ch = active[row]
+            if t < 0:                                    # (never in the list: a connection may read it now)
+                ended.append((ch, t))
+                continue
             drawn = ch.ids
             drawn.append(t)
             job = ch.job
-            if t < 0 or t == eot or len(drawn) >= job.limit:
-                ended.append(ch)
+            if t == eot or len(drawn) >= job.limit:
+                ended.append((ch, t))
             elif job.waiting:                            # its connection sleeps: it has text now
                 job.waiting = False
                 job.wake.set()
-        for ch in ended:
-            if self.active.get(ch.row) is ch and not self.ended(ch, ch.ids[-1]) and ch.job.waiting:
+        for ch, t in ended:
+            if self.active.get(ch.row) is ch and not self.ended(ch, t) and ch.job.waiting:
                 ch.job.waiting = False                   # (<|endoftext|> under ignore_eos)
                 ch.job.wake.set()
 
@@ -408,7 +412,6 @@ class Scheduler:
         job fails). A choice the scheduler ends gets its end and wakes its connection."""
         job = ch.job
         if t < 0:
-            ch.ids.pop()
             self.fail(job, "generation failed: the model's logits are not finite (NaN or infinity)")
             return True
         if t == self.tok.eot and not job.ignore_eos:
