@@ -30,6 +30,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)                                  # (fake-serve imports serve and pipeline)
 SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py", "fake": "bench/serve_load.py"}
 FAKE_ROWS = 64              # the fake engine's default batch, the GPU's largest
 WORDS = ("Write a short story about the sea, a city at night or an old clock. It should have a beginning, a "
@@ -168,7 +169,6 @@ class FakeDecoder:
 
 def fake_serve(argv):
     """The serve mode over FakeDecoder: `python3 bench/serve_load.py fake-serve SERVE_FLAGS`."""
-    sys.path.insert(0, ROOT)
     import pipeline as pl
     import serve
     p = pl.Parser(prog="serve_load.py fake-serve", description="serve over a decoder that costs nothing")
@@ -181,10 +181,13 @@ def fake_serve(argv):
 
 def main():
     if sys.argv[1:2] == ["fake-serve"]:
+        import pipeline as pl
         try:
             return fake_serve(sys.argv[2:])
         except KeyboardInterrupt:
             return
+        except pl.UserError as e:
+            raise SystemExit(f"error: {e}") from None
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("--engine", choices=SCRIPTS, default="cpu")
     ap.add_argument("--ckpt", required=True, help="the checkpoint (file or run folder) to serve")
