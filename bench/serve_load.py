@@ -22,11 +22,11 @@ import http.client
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,60 +59,85 @@ def words_for(port, target):
     return max(0, min(len(WORDS), round((target - none) / max(full - none, 1) * len(WORDS))))
 
 
-def one(port, i, tokens, out, words):
-    """One streamed chat completion -> out[i] = (time to first token, latency, completion tokens, usage). A bare
-    socket (HTTP/1.1 by hand; the stream ends with its connection) and a JSON parse of the first chunks and
-    of the usage alone: http.client and a parse a line cost this process about as much CPU a request as the
-    server spends, on the server's machine."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt(i, words)}], "max_tokens": tokens, "temperature": 0.8,
-                       "seed": i, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=600) as s, s.makefile("rb") as f:
-        s.sendall(request)
-        status = f.readline()
-        while f.readline() not in (b"\r\n", b""):     # the headers
-            pass
-        if status.split()[1:2] != [b"200"]:
-            out[i] = RuntimeError(f"{status.decode().strip()}: {f.read(200)!r}")
-            return
-        first, usage = None, None
-        for line in f:
+class Request:
+    """One streamed chat completion on a non-blocking socket (HTTP/1.1 by hand; the stream ends with its
+    connection), read as its bytes come: the first chunks parsed until one has text, then only the usage.
+    A wave's requests share one thread: 64 client threads with http.client cost this process about as much
+    CPU a request as the server spends, on the server's machine. -> .result = (time to first token, latency,
+    completion tokens, usage) or an exception."""
+
+    def __init__(self, port, i, tokens, words, sel):
+        body = json.dumps({"messages": [{"role": "user", "content": prompt(i, words)}], "max_tokens": tokens,
+                           "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True},
+                           "ignore_eos": True}).encode()
+        self.out = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        self.buf, self.head, self.first, self.usage, self.result = b"", None, None, None, None
+        self.t0 = time.perf_counter()
+        self.sock = socket.socket()
+        self.sock.setblocking(False)
+        self.sock.connect_ex(("127.0.0.1", port))
+        sel.register(self.sock, selectors.EVENT_WRITE, self)
+
+    def ready(self, sel):
+        """The socket can be written (the request) or read (the answer) -> True once the answer is whole."""
+        if self.out:
+            self.out = self.out[self.sock.send(self.out):]
+            if not self.out:
+                sel.modify(self.sock, selectors.EVENT_READ, self)
+            return False
+        data = self.sock.recv(1 << 16)
+        self.buf += data
+        if self.head is None:
+            if b"\r\n\r\n" not in self.buf:
+                if not data:
+                    raise ConnectionError(f"closed before its headers: {self.buf[:200]!r}")
+                return False
+            self.head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            if self.head.split()[1:2] != [b"200"]:
+                raise RuntimeError(f"{self.head.splitlines()[0].decode()}: {self.buf[:200]!r}")
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
             if line.startswith(b"data: [DONE]"):
-                break
-            if first is None and line.startswith(b"data: {"):
+                self.result = (self.first, time.perf_counter() - self.t0,
+                               self.usage["completion_tokens"] if self.usage else 0, self.usage)
+                return True
+            if self.first is None and line.startswith(b"data: {"):
                 ev = json.loads(line[6:])
                 if any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
-                    first = time.perf_counter() - t0
-                usage = ev.get("usage") or usage
+                    self.first = time.perf_counter() - self.t0
+                self.usage = ev.get("usage") or self.usage
             elif b'"usage"' in line:
-                usage = json.loads(line[6:])["usage"]
-    out[i] = (first, time.perf_counter() - t0, usage["completion_tokens"] if usage else 0, usage)
+                self.usage = json.loads(line[6:])["usage"]
+        if not data:
+            raise ConnectionError("closed before data: [DONE]")
+        return False
 
 
 def wave(port, n, tokens, words=len(WORDS)):
     """n requests at once -> ([(ttft, latency, tokens, usage)], wall seconds)."""
-    out, go = [None] * n, threading.Barrier(n + 1)
-
-    def client(i):
-        go.wait()
-        try:
-            one(port, i, tokens, out, words)
-        except Exception as e:                       # reported below, with the others' figures
-            out[i] = e
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    go.wait()
+    sel = selectors.DefaultSelector()
     t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    reqs, left = [Request(port, i, tokens, words, sel) for i in range(n)], n
+    while left:
+        events = sel.select(timeout=600)
+        if not events:
+            raise SystemExit(f"error: {left} of {n} requests had no answer in 600 s")
+        for key, _ in events:
+            r = key.data
+            try:
+                done = r.ready(sel)
+            except Exception as e:                   # reported below, with the others' figures
+                r.result, done = e, True
+            if done:
+                sel.unregister(r.sock)
+                r.sock.close()
+                left -= 1
     wall = time.perf_counter() - t0
-    errors = [o for o in out if isinstance(o, Exception) or o is None]
+    errors = [r.result for r in reqs if isinstance(r.result, Exception)]
     if errors:
         raise SystemExit(f"error: {len(errors)} of {n} requests failed: {errors[0]}")
-    return out, wall
+    return [r.result for r in reqs], wall
 
 
 def cpu_seconds(pid):
