@@ -332,6 +332,29 @@ def test_a_client_that_leaves_frees_its_place(model, tmp_path):
         server.server_close()
 
 
+def test_a_stop_string_frees_its_row_at_once(model):
+    """Authority: issue 33, "a finished or cancelled one leaves and frees its cache slot at once". The stop
+    scan runs in the connection's thread (serve.py): the stop it finds frees the row within a few steps, not
+    at max_tokens; the text is the answer's up to the stop string, as alone."""
+    calls, delay = [], [0.0]
+    server = start(model, "chat", lambda rows: Recorded(model, rows, calls, delay), "--max-batch", 1)
+    try:
+        body = dict(messages=[{"role": "user", "content": "first"}], max_tokens=300, temperature=0)
+        whole = json.loads(post(server, "/v1/chat/completions", body)[2])
+        text = whole["choices"][0]["message"]["content"]
+        assert whole["usage"]["completion_tokens"] > 250 and len(text) > 40      # greedy: no early <|endoftext|>
+        stop = text[20:24]
+        delay[0] = 0.002                                 # 2 ms a step: 300 steps would take 0.6 s
+        got = json.loads(post(server, "/v1/chat/completions", dict(body, stop=stop))[2])
+        assert got["choices"][0]["message"]["content"] == text[:text.find(stop)]
+        assert got["choices"][0]["finish_reason"] == "stop"
+        _wait(lambda: calls[1]["closed"])
+        assert calls[1]["drawn"] < got["usage"]["completion_tokens"] + 100 < 250, calls[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ----------------------------------------------------------------------------------------------------
 # continuous batching: the same text as alone, n choices, a full queue, a key, a row gone wrong
 
@@ -474,6 +497,48 @@ def test_n_choices_are_rows_with_seeds_seed_plus_i(chat_server):
     assert chunks[-1].usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
 
 
+def test_choices_that_end_apart_each_stream_to_their_end(model):
+    """Authority: OpenAI's API reference, `n` and the chat completion chunk: each choice streams under its
+    index to its own finish_reason; usage counts every choice's tokens. Choice 0 ends (<|endoftext|>) after 3
+    ids, choice 1 after 40, 2 ms a step: the stream writes choice 1's text after choice 0 has ended."""
+    tok = model[1]
+    words = tok.encode(" one two three four five six seven eight nine ten" * 8)
+
+    class Apart:                                         # choice i (seed i) draws words, then <|endoftext|>
+        capacity, ctx, drawn = 2, CFG.ctx, {}
+
+        def start(self, row, ids, sampling, seed):
+            self.drawn[row] = (0, 3 if seed == 0 else 40)
+            return self.step([row])[0]
+
+        def step(self, rows):
+            time.sleep(0.002)
+            out = []
+            for r in rows:
+                k, n = self.drawn[r]
+                self.drawn[r] = (k + 1, n)
+                out.append(words[k] if k + 1 < n else tok.eot)
+            return np.array(out)
+
+        def free(self, row):
+            pass
+
+    server = start(model, "chat", lambda rows: Apart())
+    try:
+        status, _, raw = post(server, "/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], n=2,
+                                                                   seed=0, stream=True, max_tokens=100,
+                                                                   stream_options={"include_usage": True}))
+        chunks = sse_chunks(raw)
+        for i, n in ((0, 3), (1, 40)):
+            mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+            assert "".join(m["delta"].get("content") or "" for m in mine) == tok.decode(words[:n - 1])
+            assert [m["finish_reason"] for m in mine][-1] == "stop" and mine[-1]["delta"] == {}
+        assert status == 200 and chunks[-1]["usage"]["completion_tokens"] == 43
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_full_queue_answers_429_with_retry_after(model):
     """Authority: OpenAI's error codes guide, 429 "Rate limit reached for requests": pace your requests and
     retry (the openai package raises RateLimitError); RFC 9110 10.2.3: Retry-After gives the seconds to wait.
@@ -587,10 +652,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
      "messages[0].content", None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
                                                    {"role": "assistant", "content": "b"}]}, 400, "messages", None),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
-     "context_length_exceeded"),
     ("POST", "/v1/completions", {}, 400, "prompt", None),
-    ("POST", "/v1/completions", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("POST", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
@@ -621,8 +683,36 @@ def test_mistakes_get_openai_error_bodies(chat_server, method, path, body, statu
     assert r.status == status and r.getheader("Content-Type") == "application/json"
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert (err["param"], err["code"]) == (param, code), err
-    if code == "context_length_exceeded":
-        assert "384" in err["message"]
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_tail(model, chat_server, capsys):
+    """Authority: issue 33, "a request whose prompt exceeds the context keeps its tail, as `sample` does":
+    the last tokens that pipeline.fit_prompt keeps (room for max_tokens, at most half the context, at least
+    one), as text, as token ids and as a chat's last turn (its earlier turns dropped first); usage counts the
+    tokens kept; the answer is the engine's after them; max_tokens beyond the room ends it there ("length")."""
+    tok, ctx = model[1], CFG.ctx
+    ids = tok.encode(LONG)
+    assert len(ids) > ctx
+    for max_tokens in (8, 300):
+        keep = pl.fit_prompt(ids, ctx, max_tokens)
+        assert len(keep) == ctx - min(max_tokens, ctx // 2) and keep == ids[-len(keep):]
+        text = tok.decode([t for t in ne.generate(model[0], keep, min(max_tokens, ctx - len(keep)), sampling=GREEDY)
+                           if t != tok.eot])
+        for prompt in (LONG, ids):
+            status, _, raw = post(chat_server, "/v1/completions", dict(prompt=prompt, max_tokens=max_tokens,
+                                                                       temperature=0, ignore_eos=True))
+            got = json.loads(raw)
+            assert status == 200 and got["usage"]["prompt_tokens"] == len(keep), got
+            assert got["usage"]["completion_tokens"] == min(max_tokens, ctx - len(keep))
+            assert got["choices"][0]["finish_reason"] == "length" and got["choices"][0]["text"] == text
+    turn = sft_ids(tok, [], LONG)
+    status, _, raw = post(chat_server, "/v1/chat/completions", dict(messages=[
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": LONG}], max_tokens=8, temperature=0))
+    got = json.loads(raw)
+    assert status == 200 and got["usage"]["prompt_tokens"] == ctx - 8
+    assert got["choices"][0]["message"]["content"] == engine_text(model, turn[-(ctx - 8):], 8)[0]
+    capsys.readouterr()                                  # (fit_prompt's line)
 
 
 def test_openai_client_raises_on_mistakes(chat_server):

@@ -3,6 +3,7 @@ bench/serve_load.py -- the serve mode under load: N clients at once, through rea
 
     python3 bench/serve_load.py --engine cpu --ckpt out_chat --clients 1 8 --tokens 100
     python3 bench/serve_load.py --engine gpu --ckpt out_chat --clients 1 8 32 64 --tokens 100
+    python3 bench/serve_load.py --engine fake --ckpt out_chat --clients 1 8 32 64     # serve's own ceiling
 
 Starts `nanoeuler.py serve` (cpu) or `nanoeuler_cuda.py serve` (gpu) on a free port, then for each level
 N sends N streamed chat completions at once from N threads (the standard library's http.client), each a
@@ -12,21 +13,26 @@ which serve honours: <|endoftext|> does not end an answer, so every answer runs 
 chunk, over the wave's wall time), time to first token (the first chunk with text) and latency (until
 [DONE]), p50 and p95 over the level's requests, and the server process's CPU time per token (all its
 threads; a figure that other load on the machine does not change much). The clients run on the server's
-machine and take some of its CPU: on a 2-core machine that lowers the CPU engine's figures.
+machine and take some of its CPU: on a 2-core machine that lowers the CPU engine's figures. The fake
+engine (--engine fake: the checkpoint's tokenizer and context, a decoder whose step returns ids at once)
+measures what serve itself costs: its ceiling in tokens/s, whatever the engine.
 """
 import argparse
 import http.client
 import json
 import os
 import re
+import selectors
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py"}
+sys.path.insert(0, ROOT)                                  # (fake-serve imports serve and pipeline)
+SCRIPTS = {"cpu": "nanoeuler.py", "gpu": "nanoeuler_cuda.py", "fake": "bench/serve_load.py"}
+FAKE_ROWS = 64              # the fake engine's default batch, the GPU's largest
 WORDS = ("Write a short story about the sea, a city at night or an old clock. It should have a beginning, a "
          "middle and an end, a main character with a name, one surprising event, and a closing line that makes "
          "the reader smile. Use simple words, short sentences and no more than two paragraphs, and tell it in "
@@ -53,54 +59,85 @@ def words_for(port, target):
     return max(0, min(len(WORDS), round((target - none) / max(full - none, 1) * len(WORDS))))
 
 
-def one(port, i, tokens, out, words):
-    """One streamed chat completion -> out[i] = (time to first token, latency, completion tokens, usage)."""
-    body = json.dumps({"messages": [{"role": "user", "content": prompt(i, words)}], "max_tokens": tokens, "temperature": 0.8,
-                       "seed": i, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True})
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    if r.status != 200:
-        out[i] = RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
-        return
-    first, n, usage = None, 0, None
-    for line in r:
-        if not line.startswith(b"data: "):
-            continue
-        if line.startswith(b"data: [DONE]"):
-            break
-        ev = json.loads(line[6:])
-        if ev.get("usage"):
-            usage = ev["usage"]
-        if first is None and any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
-            first = time.perf_counter() - t0
-    conn.close()
-    out[i] = (first, time.perf_counter() - t0, usage["completion_tokens"] if usage else 0, usage)
+class Request:
+    """One streamed chat completion on a non-blocking socket (HTTP/1.1 by hand; the stream ends with its
+    connection), read as its bytes come: the first chunks parsed until one has text, then only the usage.
+    A wave's requests share one thread: 64 client threads with http.client cost this process about as much
+    CPU a request as the server spends, on the server's machine. -> .result = (time to first token, latency,
+    completion tokens, usage) or an exception."""
+
+    def __init__(self, port, i, tokens, words, sel):
+        body = json.dumps({"messages": [{"role": "user", "content": prompt(i, words)}], "max_tokens": tokens,
+                           "temperature": 0.8, "seed": i, "stream": True, "stream_options": {"include_usage": True},
+                           "ignore_eos": True}).encode()
+        self.out = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        self.buf, self.head, self.first, self.usage, self.result = b"", None, None, None, None
+        self.t0 = time.perf_counter()
+        self.sock = socket.socket()
+        self.sock.setblocking(False)
+        self.sock.connect_ex(("127.0.0.1", port))
+        sel.register(self.sock, selectors.EVENT_WRITE, self)
+
+    def ready(self, sel):
+        """The socket can be written (the request) or read (the answer) -> True once the answer is whole."""
+        if self.out:
+            self.out = self.out[self.sock.send(self.out):]
+            if not self.out:
+                sel.modify(self.sock, selectors.EVENT_READ, self)
+            return False
+        data = self.sock.recv(1 << 16)
+        self.buf += data
+        if self.head is None:
+            if b"\r\n\r\n" not in self.buf:
+                if not data:
+                    raise ConnectionError(f"closed before its headers: {self.buf[:200]!r}")
+                return False
+            self.head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+            if self.head.split()[1:2] != [b"200"]:
+                raise RuntimeError(f"{self.head.splitlines()[0].decode()}: {self.buf[:200]!r}")
+        *lines, self.buf = self.buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: [DONE]"):
+                self.result = (self.first, time.perf_counter() - self.t0,
+                               self.usage["completion_tokens"] if self.usage else 0, self.usage)
+                return True
+            if self.first is None and line.startswith(b"data: {"):
+                ev = json.loads(line[6:])
+                if any(c.get("delta", {}).get("content") for c in ev.get("choices", [])):
+                    self.first = time.perf_counter() - self.t0
+                self.usage = ev.get("usage") or self.usage
+            elif b'"usage"' in line:
+                self.usage = json.loads(line[6:])["usage"]
+        if not data:
+            raise ConnectionError("closed before data: [DONE]")
+        return False
 
 
 def wave(port, n, tokens, words=len(WORDS)):
     """n requests at once -> ([(ttft, latency, tokens, usage)], wall seconds)."""
-    out, go = [None] * n, threading.Barrier(n + 1)
-
-    def client(i):
-        go.wait()
-        try:
-            one(port, i, tokens, out, words)
-        except Exception as e:                       # reported below, with the others' figures
-            out[i] = e
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    go.wait()
+    sel = selectors.DefaultSelector()
     t0 = time.perf_counter()
-    for t in threads:
-        t.join()
+    reqs, left = [Request(port, i, tokens, words, sel) for i in range(n)], n
+    while left:
+        events = sel.select(timeout=600)
+        if not events:
+            raise SystemExit(f"error: {left} of {n} requests had no answer in 600 s")
+        for key, _ in events:
+            r = key.data
+            try:
+                done = r.ready(sel)
+            except Exception as e:                   # reported below, with the others' figures
+                r.result, done = e, True
+            if done:
+                sel.unregister(r.sock)
+                r.sock.close()
+                left -= 1
     wall = time.perf_counter() - t0
-    errors = [o for o in out if isinstance(o, Exception) or o is None]
+    errors = [r.result for r in reqs if isinstance(r.result, Exception)]
     if errors:
         raise SystemExit(f"error: {len(errors)} of {n} requests failed: {errors[0]}")
-    return out, wall
+    return [r.result for r in reqs], wall
 
 
 def cpu_seconds(pid):
@@ -119,7 +156,7 @@ def pct(xs, p):
 
 
 def start_server(a):
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[a.engine]), "serve", "--ckpt", a.ckpt, "--port", "0",
+    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[a.engine]), "fake-serve" if a.engine == "fake" else "serve", "--ckpt", a.ckpt, "--port", "0",
            "--temperature", "0.8", "--max-queue", str(max(a.clients) + 1)]
     if a.max_batch:
         cmd += ["--max-batch", str(a.max_batch)]
@@ -133,7 +170,49 @@ def start_server(a):
     return p, int(m.group(1)), line.strip()
 
 
+class FakeDecoder:
+    """serve's decoder interface (serve.py's docstring) at no cost: every row draws the same cycle of
+    ordinary text ids, a step returns them at once, so what a level costs is serve's own work."""
+
+    def __init__(self, tok, ctx, capacity):
+        import numpy as np
+        self.capacity, self.ctx = capacity, ctx
+        cycle = tok.encode(" ".join(WORDS))                      # text ids, never <|endoftext|>
+        self.ids = np.tile(np.array(cycle, dtype=np.int64)[:, None], (1, capacity))   # (len(cycle), capacity)
+        self.k = 0
+
+    def start(self, row, ids, sampling, seed):
+        return int(self.ids[0, 0])
+
+    def step(self, rows):
+        self.k = (self.k + 1) % len(self.ids)
+        return self.ids[self.k, :len(rows)]
+
+    def free(self, row):
+        pass
+
+
+def fake_serve(argv):
+    """The serve mode over FakeDecoder: `python3 bench/serve_load.py fake-serve SERVE_FLAGS`."""
+    import pipeline as pl
+    import serve
+    p = pl.Parser(prog="serve_load.py fake-serve", description="serve over a decoder that costs nothing")
+    serve.add_serve_flags(p, ckpt=None, max_batch_help=f"default {FAKE_ROWS}")
+    a = p.parse_args(argv)
+    P, tok, _, extra = pl.load_checkpoint(a.ckpt)
+    serve.run(a, tok, P.cfg, extra.get("kind") == "chat", lambda rows: FakeDecoder(tok, P.cfg.ctx, rows or FAKE_ROWS),
+              "fake")
+
+
 def main():
+    if sys.argv[1:2] == ["fake-serve"]:
+        import pipeline as pl
+        try:
+            return fake_serve(sys.argv[2:])
+        except KeyboardInterrupt:
+            return
+        except pl.UserError as e:
+            raise SystemExit(f"error: {e}") from None
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     ap.add_argument("--engine", choices=SCRIPTS, default="cpu")
     ap.add_argument("--ckpt", required=True, help="the checkpoint (file or run folder) to serve")
