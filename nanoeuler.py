@@ -1089,6 +1089,9 @@ class Decoder:
         self.k, self.v = np.zeros(shape, P.flat.dtype), np.zeros(shape, P.flat.dtype)   # position-major rows
         self.len = np.zeros(capacity, np.int32)                # each row's cached positions
         self.rows = [None] * capacity                          # each row's [sampling, rng, ids so far]
+        self.start(0, [0], pl.Sampling(temperature=0.0), 0)   # compiles the step's kernels now (Numba), so
+        self.step([0])                                         # serve is ready when it says so and a Ctrl-C
+        self.free(0)                                           # meets no compiler
 
     def start(self, row, ids, sampling, seed):
         one, n = self.one, len(ids)
