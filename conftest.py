@@ -3,6 +3,7 @@ test on a machine without enough GPUs, runners for the engines' command lines, t
 errors, and the small corpus, run and model that several files use."""
 import math
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -12,6 +13,15 @@ import numpy as np
 import pytest
 
 import pipeline as pl
+
+
+def ctrl_c_as_from_a_shell():
+    """preexec_fn of a child that a test sends Ctrl-C: SIGINT at its default disposition and unblocked, as a
+    shell starts a program, whatever this worker process inherited. In 2 of 3 fresh-clone CI runs
+    (2026-12-02) such children ignored SIGINT entirely (no output, no exit in 120 s), while the same tests
+    passed alone and in the third run; the cause was not found."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 ROOT = Path(__file__).resolve().parent        # the project folder
 

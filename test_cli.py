@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import bpe
-from conftest import ROOT, assert_one_line_error, cli_here, no_cupy, one_error_line, run_cli, run_engine, run_gpu, run_here
+from conftest import (ROOT, assert_one_line_error, cli_here, ctrl_c_as_from_a_shell, no_cupy, one_error_line, run_cli,
+                      run_engine, run_gpu, run_here)
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
@@ -227,7 +228,8 @@ def test_every_command_line_keeps_one_rule_for_mistakes():
 def _interrupted(script, *args, ready="", env=None):
     """(exit status, stderr) of a command sent Ctrl-C (SIGINT) once it printed a line holding `ready`."""
     p = subprocess.Popen([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1",
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_from_a_shell,
+                         env=dict(os.environ, PYTHONUNBUFFERED="1",
                                                                                   **(env or {})))
     try:
         for line in p.stdout:

@@ -21,8 +21,8 @@ import pytest
 
 import bpe
 import gradcheck
-from conftest import (ROOT, assert_one_line_error, cli_here, run_cli, run_here, shift_model as _shift_model,
-                      train_cpu as _train)
+from conftest import (ROOT, assert_one_line_error, cli_here, ctrl_c_as_from_a_shell, run_cli, run_here,
+                      shift_model as _shift_model, train_cpu as _train)
 import nanoeuler as ne
 import pipeline as pl
 
@@ -595,7 +595,8 @@ def test_chat_ctrl_c_stops_only_the_answer(tmp_path):
     # The next answer is stopped as well (it ran its 500 tokens, most of the test's time), then stdin ends.
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler.py"), "chat", "--ckpt", str(out / "ckpt.npz"),
                           "--tokens", "500", "--temperature", "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                         preexec_fn=ctrl_c_as_from_a_shell)
 
     def read_answer(seen, question, n=5):     # -> seen and the output up to the first n characters after question
         while (question not in seen or len(seen.split(question, 1)[1]) < n) and (c := p.stdout.read(1)):

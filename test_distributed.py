@@ -17,7 +17,7 @@ import pytest
 
 import distributed as dist
 import pipeline as pl
-from conftest import GPUS, ROOT, one_error_line, run_gpu, run_here
+from conftest import GPUS, ROOT, ctrl_c_as_from_a_shell, one_error_line, run_gpu, run_here
 
 
 def free_port():
@@ -409,7 +409,7 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint(tmp_path):
     """Ctrl-C to the launcher: every rank stops at the next progress line, rank 0 writes the checkpoint, exit 130."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "nanoeuler_cuda.py"), "train", *map(str, LONG),
                           "--gpus", "2", "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_from_a_shell)
     wait_for(tmp_path / "ckpt.npz", 120)
     p.send_signal(signal.SIGINT)
     r, waited = finish(p, 60)

@@ -27,7 +27,7 @@ import pytest
 
 import bpe
 import nanoeuler as ne
-from conftest import ROOT
+from conftest import ROOT, ctrl_c_as_from_a_shell
 import pipeline as pl
 import serve
 
@@ -949,7 +949,7 @@ def _serve_process(script, ckpt, *flags):
     """The serve mode in its own process; -> (process, port) once it says where it listens."""
     p = subprocess.Popen([sys.executable, str(ROOT / script), "serve", "--ckpt", str(ckpt), "--port", "0", *flags],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=ctrl_c_as_from_a_shell)
     line = p.stdout.readline()
     m = re.search(r"at http://([\d.]+):(\d+)/", line)
     if not m:
