@@ -143,7 +143,8 @@ MUTANTS = [
     # sampling and generation
     ("temperature multiplies the logits", "pipeline.py", [("z /= self.temperature", "z *= self.temperature", 1)]),
     ("top-k keeps k+1", "pipeline.py",
-     [("np.partition(z, -self.top_k)[-self.top_k]", "np.partition(z, -self.top_k)[-self.top_k - 1]", 1)]),
+     [("np.partition(z, -self.top_k, axis=-1)[..., -self.top_k, None]",
+       "np.partition(z, -self.top_k, axis=-1)[..., -self.top_k - 1, None]", 1)]),
     ("temperature 0 not greedy", "pipeline.py", [("if self.temperature <= 0:", "if self.temperature < 0:", 2)]),
     ("the last id is never drawn", "pipeline.py", [("rng.random() * cdf[-1]", "rng.random() * cdf[-2]", 1)]),
     ("generation ignores top-k", "nanoeuler.py",

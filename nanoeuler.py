@@ -1126,8 +1126,8 @@ class Decoder:
 
     def _sample(self, rows, logits):
         """Each row's next id by its own pl.Sampling, its history and its generator (-1: logits not finite).
-        Rows of one plain rule (temperature and top-k only) go through Sampling.probs's steps together,
-        the same operations on each row (tested against it, id for id); the others one by one."""
+        Rows of one plain rule (temperature and top-k only) go through Sampling.probs together, the same
+        operations on each row as alone; the others one by one."""
         out = np.full(len(rows), -1, np.int64)
         finite = np.isfinite(logits[:len(rows)]).all(axis=1)
         plain = {}
@@ -1140,15 +1140,8 @@ class Decoder:
             else:
                 out[j] = s.sample(logits[j], self.rows[r][2], self.rows[r][1])
         for (temperature, top_k), js in plain.items():
-            z = np.array(logits[js], np.float64)
-            z /= temperature
-            if top_k and top_k < z.shape[1]:
-                z[z < np.partition(z, -top_k, axis=1)[:, -top_k:-top_k + 1]] = -np.inf
-            p = np.exp(z - z.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            cdf = np.cumsum(p, axis=1)
-            for j, c in zip(js, cdf):                   # pl.draw on each row
-                out[j] = min(np.searchsorted(c, self.rows[rows[j]][1].random() * c[-1], side="right"), len(c) - 1)
+            for j, p in zip(js, pl.Sampling(temperature, top_k).probs(logits[js])):
+                out[j] = pl.draw(p, self.rows[rows[j]][1])
         for j, r in enumerate(rows):
             if out[j] >= 0:
                 self.rows[r][2].append(int(out[j]))

@@ -564,17 +564,19 @@ class Sampling:
         return z
 
     def probs(self, logits, history=()):
-        """The (V,) float64 distribution that sample() draws from (one-hot at the argmax when greedy)."""
+        """The (V,) float64 distribution that sample() draws from (one-hot at the argmax when greedy). Without
+        a history, greedy or top_p (a rule of temperature and top_k alone), logits may be (n, V): n rows at
+        once, each as it would be alone (serve's Decoder)."""
         z = self._penalised(logits, history)
         if self.temperature <= 0:
             p = np.zeros_like(z)
             p[np.argmax(z)] = 1.0
             return p
         z /= self.temperature
-        if self.top_k and self.top_k < len(z):
-            z[z < np.partition(z, -self.top_k)[-self.top_k]] = -np.inf
-        p = np.exp(z - z.max())
-        p /= p.sum()
+        if self.top_k and self.top_k < z.shape[-1]:
+            z[z < np.partition(z, -self.top_k, axis=-1)[..., -self.top_k, None]] = -np.inf
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
             keep = np.searchsorted(np.cumsum(p[order]), self.top_p) + 1       # the smallest prefix reaching top_p
