@@ -294,10 +294,9 @@ def hardware(plan):
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
                platform.processor()) if os.path.isfile("/proc/cpuinfo") else platform.processor()
     hw = dict(cpu=f"{cpu}, {os.cpu_count()} cores", gpu=None, gpus=0)
-    if plan["engine"] == "gpu":
-        import cupy
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        hw.update(gpu=f"{props['name'].decode()} ({props['totalGlobalMem'] / 2**30:.0f} GiB)", gpus=1)
+    if plan["engine"] == "gpu":                 # the engine's own profile (emulated where NANOEULER_EMULATE says)
+        d = engine_of(plan).device()
+        hw.update(gpu=f"{d.name} ({d.total / 2**30:.0f} GiB, bf16 peak {d.peak_tflops:g} TFLOP/s)", gpus=1)
     return hw
 
 
