@@ -3594,19 +3594,21 @@ MATVEC_EPI = ("out", "add", "glu", "rope")     # the decode products' epilogues,
 MATVEC_PARTS = (1, 2, 4, 8)                    # the warps that may split a unit's K (matvec_plan)
 
 
-def matvec_name(epi, parts):
-    return f"matvec_{epi}_p{parts}"
+def matvec_name(epi, parts, rec=False):
+    return f"matvec_{epi}_p{parts}" + ("_rec" if rec else "")
 
 
-MATVEC_KERNELS = {   # name -> extern "C" instance: the kernels matvec() picks, one per epilogue and K split
-    matvec_name(epi, parts):
-    f'extern "C" __global__ void __launch_bounds__(256) {matvec_name(epi, parts)}(float* __restrict__ out, const float* '
-    f'__restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
+# name -> extern "C" instance: the kernels matvec() picks, one per epilogue and K split, and the Decoder's (rec)
+# apart, so a lone decode step's kernel has no record to test (a null rec folds away: 2% of its tokens/s)
+MATVEC_KERNELS = {
+    matvec_name(epi, parts, rec):
+    f'extern "C" __global__ void __launch_bounds__(256) {matvec_name(epi, parts, rec)}(float* __restrict__ out, const '
+    f'float* __restrict__ x, const float* __restrict__ W, const float* __restrict__ nw, int R, int K, int N, int UPB, '
     f'const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, float* '
-    f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx, const int* __restrict__ '
-    f'rec, int RC) {{ matvec_rows<{e}, {parts}>(out, x, W, nw, R, K, N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, '
-    f'hd, ctx, rec, RC); }}\n'
-    for parts in MATVEC_PARTS for e, epi in enumerate(MATVEC_EPI)}
+    f'__restrict__ kc, float* __restrict__ vc, int rows, int Hq, int Hkv, int hd, int ctx'
+    + (', const int* __restrict__ rec, int RC' if rec else '') + f') {{ matvec_rows<{e}, {parts}>(out, x, W, nw, R, K, '
+    f'N, UPB, state, cosv, sinv, kc, vc, rows, Hq, Hkv, hd, ctx, {"rec, RC" if rec else "nullptr, R"}); }}\n'
+    for parts in MATVEC_PARTS for e, epi in enumerate(MATVEC_EPI) for rec in (False, True)}
 MATVEC_SRC = cuda_source("matvec", ["rope_store", *MATVEC_KERNELS],
                          ROW_SRC + MATVEC_SRC + "".join(MATVEC_KERNELS.values()))
 
@@ -3673,14 +3675,14 @@ def matvec(out, x, W, epi="out", norm=None, rope=None, rec=None):
     assert x.data.ptr % 16 == 0 and W.data.ptr % 16 == 0 and x.flags.c_contiguous and W.flags.c_contiguous
     kc, vc, cos, sin, state, rows, Hq, Hkv, hd = rope or (x, x, x, x, x, 1, 0, 0, 2)
     upb, parts = matvec_plan(N // 2, K)             # callers check matvec_fits
-    k = _k(matvec_name(epi, parts))
+    k = _k(matvec_name(epi, parts, rec is not None))
     rc = min(R, MATVEC_ROWS)                                # rows a block
     smem = matvec_smem(upb, K, R, epi != "add")
     shared_memory(k, smem)
     launch(k, (-(-N // 2 // upb), -(-R // rc)), (256,),
            (out, x, W, x if norm is None else norm, I32(R), I32(K), I32(N), I32(upb), state, cos, sin, kc, vc,
-            I32(rows), I32(Hq), I32(Hkv), I32(hd), I32(kc.shape[2] if rope else 0), NULL if rec is None else rec,
-            I32(rc)), shared_mem=smem)
+            I32(rows), I32(Hq), I32(Hkv), I32(hd), I32(kc.shape[2] if rope else 0))
+           + (() if rec is None else (rec, I32(rc))), shared_mem=smem)
 
 
 # --- KV-cache attention: each new row's query heads over the keys cached so far (attn_cached_body, a
@@ -3930,8 +3932,8 @@ DECODER_CH = None                     # keys a chunk of a Decoder row's attentio
                                       # let several blocks share an SM: bench --only decoder times both)
 
 
-def attn_cached_name(hd, bf16):
-    return f"attn_cached_{hd}" + ("_bf16" if bf16 else "")
+def attn_cached_name(hd, bf16, rec=False):
+    return f"attn_cached_{hd}" + ("_bf16" if bf16 else "") + ("_rec" if rec else "")
 
 
 def attn_warps_name(hd, gq, bf16):
@@ -3939,14 +3941,16 @@ def attn_warps_name(hd, gq, bf16):
 
 
 ATTN_OUT = ((False, "float"), (True, "bf16"))     # the output's type: fp32, or bf16 (the batched decode step's)
-# name -> extern "C" instance: the kernels attn_cached() picks, per head dim (and query heads a kv head) and output
+# name -> extern "C" instance: the kernels attn_cached() picks, per head dim (and query heads a kv head) and output,
+# the Decoder's (rec, fp32 out) apart, as matvec's
 CACHE_ATTN_KERNELS = {
-    **{attn_cached_name(hd, bf):
-       f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) {attn_cached_name(hd, bf)}(const float* __restrict__ qkv, '
-       f'const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ state, '
-       f'int rows, int Hq, int Hkv, int ctx, float scale, int ch, const int* __restrict__ rec) {{ '
-       f'attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, Hq, Hkv, ctx, scale, ch, rec); }}\n'
-       for hd in ATTN_CACHED_HD for bf, to in ATTN_OUT},
+    **{attn_cached_name(hd, bf, rec):
+       f'extern "C" __global__ void __launch_bounds__({ATTN_THREADS}) {attn_cached_name(hd, bf, rec)}(const float* '
+       f'__restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc, {to}* __restrict__ out, const int* '
+       f'__restrict__ state, int rows, int Hq, int Hkv, int ctx, float scale, int ch'
+       + (', const int* __restrict__ rec' if rec else '') + f') {{ attn_cached_body<{hd}>(qkv, kc, vc, out, state, rows, '
+       f'Hq, Hkv, ctx, scale, ch, {"rec" if rec else "nullptr"}); }}\n'
+       for hd in ATTN_CACHED_HD for bf, to in ATTN_OUT for rec in ((False,) if bf else (False, True))},
     **{attn_warps_name(hd, gq, bf):
        f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) {attn_warps_name(hd, gq, bf)}(const float* '
        f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
@@ -3995,17 +3999,17 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None)
     # the SMs; either fitted to the device
     ch = attn_chunk(hd, R) if rec is None else attn_chunk(hd, 1, ch=DECODER_CH)
     smem = attn_cached_smem(ch, hd)
-    k = _k(attn_cached_name(hd, out.dtype == BF))         # bf16 out: the batched decode step's
+    k = _k(attn_cached_name(hd, out.dtype == BF, rec is not None))     # bf16 out: the batched decode step's
     shared_memory(k, smem)
     launch(k, (rows, Hq, R // rows), (ATTN_THREADS,),
-           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch),
-            NULL if rec is None else rec), shared_mem=smem)
+           (qkv, kc, vc, out, state, I32(rows), I32(Hq), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)), I32(ch))
+           + (() if rec is None else (rec,)), shared_mem=smem)
 
 
 # --- sampling: each stream's next id drawn on the device by pipeline.Sampling's rule, and the step's
 #     position advanced ---
 
-SAMPLING_SRC = cuda_source("sampling", ["sample_tokens", "advance"], ROW_SRC + r"""
+SAMPLING_SRC = cuda_source("sampling", ["sample_tokens", "sample_tokens_rec", "advance"], ROW_SRC + r"""
 // block-wide exclusive prefix sum of one value per thread (in thread order); *total gets the sum
 __device__ float block_scan(float v, float* total) {
     __shared__ float ws[33];
@@ -4035,7 +4039,7 @@ __device__ float block_scan(float v, float* total) {
 // to tokens[step * streams + b], to state[2 + b] (the next step's input) and into seen. A Decoder's step
 // (rec): row b's rule, u and seen row (its cache slot) from its record, and the id -1 where a logit is not
 // finite.
-extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
+__device__ __forceinline__ void sample_tokens_body(
         const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
         float temperature, int top_k, float top_p, float penalty, const int* __restrict__ rec) {
@@ -4123,6 +4127,19 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         if (tok >= 0) sn[tok] = 1;
     }
 }
+// the Sampler's (no records: the null rec folds away) and the Decoder's
+extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
+        const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
+        const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
+        float temperature, int top_k, float top_p, float penalty) {
+    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(1024) sample_tokens_rec(
+        const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
+        const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
+        float temperature, int top_k, float top_p, float penalty, const int* __restrict__ rec) {
+    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, rec);
+}
 extern "C" __global__ void advance(int* state, int dpos, int dstep) {
     dep_wait();
     state[0] += dpos;
@@ -4145,11 +4162,11 @@ def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None):
         raise UserError(f"sampling from {V} ids takes {smem >> 10} KB of shared memory a block, over the "
                         f"{PROFILE.smem_block >> 10} KB of {PROFILE.name}; generate with nanoeuler.py")
     Vp = 1 << max(V - 1, 1).bit_length()
-    k = _k("sample_tokens")
+    k = _k("sample_tokens" if rec is None else "sample_tokens_rec")
     shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
     launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
                                     F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
-                                    F32(sampling.repetition_penalty), NULL if rec is None else rec), shared_mem=smem)
+                                    F32(sampling.repetition_penalty)) + (() if rec is None else (rec,)), shared_mem=smem)
 
 
 def advance(state, dpos, dstep):

@@ -43,7 +43,7 @@ def test_every_kernel_compiles_with_nvrtc(arch):
         return
     # the kernel registry (each source declared with its kernels' names) against the sources' own text
     defined = [(name, mod) for mod, code in nc.SOURCES.items() for name in nc.kernel_names(code)]
-    assert len(defined) == len(nc.KERNELS) == 106 and dict(defined) == nc.KERNELS
+    assert len(defined) == len(nc.KERNELS) == 127 and dict(defined) == nc.KERNELS
 
 
 H200_PEAKS = {("bf16", "flash", 16): 5.44, ("bf16", "flash", 64): 15.62,   # GiB, big T=512: bench's peak pool
@@ -210,8 +210,9 @@ def test_every_kernel_has_a_launcher():
         assert name_fn in calls[launcher] and ("_k" in calls[launcher] or "_smem_kernel" in calls[launcher])
     launched |= {nc.flash_name(kind, hd) for kind in nc._FLASH_SMEM for hd in nc.FLASH_HEAD_DIMS}
     launched |= {nc.flash_name(kind, hd, bf16=True) for kind in nc._FLASH_BF16_SMEM for hd in nc.BF16_HEAD_DIMS}
-    launched |= {nc.matvec_name(epi, nc.matvec_plan(n, 1024, nc.EMULATE["h200"])[1]) for epi in nc.MATVEC_EPI
-                 for n in (1, 200, 300, 1000)}
+    launched |= {nc.matvec_name(epi, nc.matvec_plan(n, 1024, nc.EMULATE["h200"])[1], rec) for epi in nc.MATVEC_EPI
+                 for n in (1, 200, 300, 1000) for rec in (False, True)}
+    launched |= {nc.attn_cached_name(hd, False, rec=True) for hd in nc.ATTN_CACHED_HD}     # the Decoder's
     launched |= {nc.attn_warps_name(hd, gq, bf16) if nc.attn_warps(R, gq, 1, hd) else nc.attn_cached_name(hd, bf16)
                  for R in (1, 64) for hd in nc.ATTN_CACHED_HD for gq in nc.ATTN_WARPS_GQ for bf16 in (False, True)}
     assert not set(nc.KERNELS) - launched, sorted(set(nc.KERNELS) - launched)
