@@ -49,6 +49,11 @@ SHARES = {"pretrain": 0.80, "sft": 0.07, "dpo": 0.05, "eval": 0.08}   # of the b
 TOKENIZER_S_PER_MB = (1.4, 1.0)   # training on the first 20 MB (28 s for 20 MB of docs.txt here); encoding, per core
 CKPT_MINUTES = 2             # pretraining checkpoints this often, so a kill loses at most that
 MIN_STEPS = 5
+MAX_EPOCHS = 4               # passes over the training split at most: past ~4 repeated text gains little (Muennighoff
+                             # et al. 2023, "Scaling Data-Constrained Language Models"); on docs.txt (35 MB) an H200 run
+                             # of 27 epochs saw the validation loss rise from 2.97 (8 epochs) to 5.08 (dev/LOG.md)
+WEB_BYTES_PER_TOKEN = 4.0    # FineWeb-Edu text a token of the 4096 tokenizer, about: sizes the download to the budget
+WEB_MB = 100                 # make data's FineWeb-Edu megabytes (Makefile), the least the speedrun fetches
 CORPORA = ("data/pretrain.txt", "data/alpaca.json", "data/prefs.jsonl")   # make's targets that download
 HELLASWAG = "data/hellaswag_val.jsonl"
 
@@ -164,6 +169,12 @@ def stage_data(plan, run):
         what = d["text"] or pl.default_corpus()[1]
         return dict(skipped=f"{d['why']}: no download; pretraining on {what}", text=d["text"] or "embedded")
     missing = [p for p in CORPORA if not os.path.isfile(os.path.join(HERE, p))]
+    web = os.path.join(HERE, "data", "web.txt")
+    if CORPORA[0] in missing and not os.path.isfile(web):      # enough text for the budget in MAX_EPOCHS passes
+        mb = max(WEB_MB, math.ceil(plan["tokens"] / MAX_EPOCHS * WEB_BYTES_PER_TOKEN / 1e6))
+        print(f"FineWeb-Edu: {mb:,} MB, so that {plan['tokens']:,} tokens of pretraining take at most {MAX_EPOCHS} "
+              "passes over the text")
+        shell(["bash", os.path.join(HERE, "data", "get_web.sh"), str(mb)])
     if missing:
         shell(["make", "-C", HERE, *missing])      # make data's downloads (its tokenizer is the next stage's)
     if not os.path.isfile(plan["hellaswag"]):
@@ -195,12 +206,19 @@ def stage_tokenizer(plan, run):
                 bin=path, bpe=path[:-4] + ".bpe")
 
 
+def pretrain_steps(plan, tokens):
+    """The budget's steps, or fewer: at most MAX_EPOCHS passes over the training split (90% of the tokens)."""
+    return max(MIN_STEPS, min(plan["steps"], int(MAX_EPOCHS * 0.9 * tokens // (plan["batch"] * plan["seq"]))))
+
+
 def stage_pretrain(plan, run, tokenizer, log):
-    out, steps = os.path.join(run, "pretrain"), plan["steps"]
-    epochs = steps * plan["batch"] * plan["seq"] / (0.9 * tokenizer["tokens"])
-    print(f"pretraining {plan['config']}: {steps:,} steps x {plan['batch']} x {plan['seq']} = {plan['tokens']:,} tokens, "
-          f"{epochs:.1f} epochs of the training split" + (" (past ~4 epochs repeated data gains little: Muennighoff "
-                                                          "et al. 2023; more text: make data)" if epochs > 4 else ""))
+    out, steps = os.path.join(run, "pretrain"), pretrain_steps(plan, tokenizer["tokens"])
+    epochs = lambda n: n * plan["batch"] * plan["seq"] / (0.9 * tokenizer["tokens"])
+    print(f"pretraining {plan['config']}: {steps:,} steps x {plan['batch']} x {plan['seq']} = "
+          f"{steps * plan['batch'] * plan['seq']:,} tokens, {epochs(steps):.1f} epochs of the training split"
+          + (f" (the budget buys {plan['steps']:,} steps, {epochs(plan['steps']):.1f} epochs; past {MAX_EPOCHS} repeated "
+             "text gains little and overfits: Muennighoff et al. 2023; more text: make data, or a larger --data)"
+             if steps < plan["steps"] else ""))
     ckpt = os.path.join(out, "ckpt.npz")
     done = 0
     if os.path.isfile(ckpt):
@@ -334,7 +352,9 @@ def card_md(c, run):
              f"- hardware: {hw['gpu'] + ', ' if hw['gpu'] else ''}{hw['cpu']}", f"- commit: {c['commit']}",
              f"- command: `{c['command']}`",
              f"- budget: {p['budget_minutes']:g} min; pretraining {p['tokens']:,} tokens ({p['steps']:,} steps x "
-             f"{p['batch']} x {p['seq']}) at an assumed {p['rate']:,.0f} tokens/s ({p['rate_source']})",
+             f"{p['batch']} x {p['seq']}) at an assumed {p['rate']:,.0f} tokens/s ({p['rate_source']})"
+             + (f"; {s['pretrain']['steps']:,} steps ({MAX_EPOCHS} passes over the text at most)"
+                if s["pretrain"]["steps"] < p["steps"] else ""),
              f"- whole run: {c['seconds'] / 60:.1f} min; cost {c['gpu_hours']:.3f} GPU-hours x "
              f"${c['price_per_gpu_hour']:.2f} (--price) = ${c['cost_usd']:.2f}", f"- finished: {c['finished']}", "",
              "## Stages", "", "| stage | time | tokens | tokens/s | MFU | figures |", "|---|---|---|---|---|---|"]
@@ -432,7 +452,10 @@ def clock(path, every=10.0):
 
 
 def eta_line(plan, figures):
-    left = sum(plan["estimates"][s] for s in STAGES if s not in figures)       # the stages not yet done
+    est = dict(plan["estimates"])
+    if "tokenizer" in figures:                      # the pretraining's steps, capped by the text (pretrain_steps)
+        est["pretrain"] *= pretrain_steps(plan, figures["tokenizer"]["tokens"]) / plan["steps"]
+    left = sum(est[s] for s in STAGES if s not in figures)       # the stages not yet done
     return f"whole run ETA {left / 60:.1f} min (at {time.strftime('%H:%M', time.localtime(time.time() + left))})"
 
 

@@ -127,3 +127,20 @@ def test_speedrun_bad_input_is_one_line(args, tmp_path, capsys):
     assert speedrun.main(args + ["--budget-minutes", 1]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "another plan" in err and "\n" not in err
+
+
+def test_pretraining_takes_at_most_max_epochs_of_a_small_text(args, tmp_path, capsys):
+    """A budget that buys more passes over --data than MAX_EPOCHS trains MAX_EPOCHS (an H200 run of 27 epochs
+    over docs.txt ended with a worse validation loss than at 8), says so, and the card shows the steps run."""
+    text = tmp_path / "small.txt"
+    text.write_text(pl.default_corpus()[0][:3000], encoding="utf-8")
+    assert speedrun.main(args + ["--data", text, "--stop-after", "pretrain"]) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "run"
+    tokens = json.loads((run / "stages" / "tokenizer.done.json").read_text())["tokens"]
+    steps = int(speedrun.MAX_EPOCHS * 0.9 * tokens // (4 * 64))
+    assert speedrun.MIN_STEPS < steps < 15                        # the budget buys 15 steps of 4 x 64
+    assert f"pretraining small: {steps:,} steps x 4 x 64" in out and "the budget buys 15 steps" in out
+    log = [json.loads(l) for l in (run / "pretrain" / pl.LOG).read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
+    assert json.loads((run / "stages" / "pretrain.done.json").read_text())["steps"] == steps
