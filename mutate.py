@@ -327,6 +327,10 @@ MUTANTS = [
      [('    v = last(recs, "val_loss")', '    v = next(r for r in recs if "val_loss" in r)', 1)], _SPEEDRUN),
     ("finished speedrun rewrites its card", "speedrun.py",
      [("    if os.path.isfile(card) and all(", "    if False and all(", 1)], _SPEEDRUN),
+    ("speedrun pretrains past MAX_EPOCHS", "speedrun.py",
+     [('    out, steps = os.path.join(run, "pretrain"), pretrain_steps(plan, tokenizer["tokens"])',
+       '    out, steps = os.path.join(run, "pretrain"), plan["steps"]', 1)],
+     ("test_speedrun.py::test_pretraining_takes_at_most_max_epochs_of_a_small_text",)),
 ]
 
 
