@@ -17,9 +17,10 @@ import pipeline as pl
 
 def ctrl_c_as_from_a_shell():
     """preexec_fn of a child that a test sends Ctrl-C: SIGINT at its default disposition and unblocked, as a
-    shell starts a program, whatever this worker process inherited. In 2 of 3 fresh-clone CI runs
-    (2026-12-02) such children ignored SIGINT entirely (no output, no exit in 120 s), while the same tests
-    passed alone and in the third run; the cause was not found."""
+    shell starts a program in the foreground, whatever this worker process inherited. A shell without job
+    control starts a background command (`make test &`) with SIGINT ignored (POSIX), Python then installs no
+    KeyboardInterrupt handler, and its children inherit the ignored signal (fits two failed CI runs of
+    2026-12-01); `bash -c 'python3 -m pytest test_serve.py -k ctrl_c & wait'` fails without this."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
