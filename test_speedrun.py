@@ -144,3 +144,36 @@ def test_pretraining_takes_at_most_max_epochs_of_a_small_text(args, tmp_path, ca
     log = [json.loads(l) for l in (run / "pretrain" / pl.LOG).read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     assert json.loads((run / "stages" / "pretrain.done.json").read_text())["steps"] == steps
+
+
+def test_the_download_holds_the_budget_in_max_epochs_passes(tmp_path, monkeypatch, capsys):
+    """Where the speedrun downloads, FineWeb-Edu comes in the megabytes that its pretraining tokens need in
+    MAX_EPOCHS passes (an hour on an H200: 1,584 MB), never fewer than make data's 100; a web.txt already
+    there is kept."""
+    monkeypatch.setattr(speedrun, "HERE", str(tmp_path))
+    (tmp_path / "data").mkdir()
+    calls = []
+
+    def shell(cmd, env=None):
+        calls.append(cmd)
+        for p in cmd[3:] if cmd[0] == "make" else ():
+            (tmp_path / p).write_text("text")
+    monkeypatch.setattr(speedrun, "shell", shell)
+    (tmp_path / "hellaswag.jsonl").write_text("")
+    plan = dict(data=dict(why="make data", text=str(tmp_path / speedrun.CORPORA[0])),
+                hellaswag=str(tmp_path / "hellaswag.jsonl"),
+                tokens=int(0.8 * 3600 * 550_000) // (64 * 512) * 64 * 512)     # gpu big, the default 60 minutes
+    speedrun.stage_data(plan, str(tmp_path / "run"))
+    assert calls == [["bash", str(tmp_path / "data" / "get_web.sh"), "1584"],
+                     ["make", "-C", str(tmp_path), *speedrun.CORPORA]]
+    assert "FineWeb-Edu: 1,584 MB" in capsys.readouterr().out
+    for p in speedrun.CORPORA:
+        os.remove(tmp_path / p)
+    calls.clear()
+    speedrun.stage_data(dict(plan, tokens=1_000_000), str(tmp_path / "run"))     # 1 MB would do: make data's 100
+    assert calls[0][2] == "100"
+    os.remove(tmp_path / speedrun.CORPORA[0])
+    (tmp_path / "data" / "web.txt").write_text("kept")
+    calls.clear()
+    speedrun.stage_data(plan, str(tmp_path / "run"))
+    assert calls == [["make", "-C", str(tmp_path), speedrun.CORPORA[0]]]
