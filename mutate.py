@@ -331,6 +331,9 @@ MUTANTS = [
      [('    out, steps = os.path.join(run, "pretrain"), pretrain_steps(plan, tokenizer["tokens"])',
        '    out, steps = os.path.join(run, "pretrain"), plan["steps"]', 1)],
      ("test_speedrun.py::test_pretraining_takes_at_most_max_epochs_of_a_small_text",)),
+    ("speedrun downloads make data's 100 MB at most", "speedrun.py",
+     [("        mb = max(WEB_MB, math.ceil(", "        mb = min(WEB_MB, math.ceil(", 1)],
+     ("test_speedrun.py::test_the_download_holds_the_budget_in_max_epochs_passes",)),
 ]
 
 
