@@ -694,12 +694,18 @@ def speed_line(arrivals, speculative, stats, streams=1, warmup="compilation, pre
     return line + ("" if speculative or streams > 1 else ", speculative off") + "]"
 
 
+def prompt_keep(ctx, room):
+    """The tokens a prompt cut to fit keeps: `room` positions left to generate, at most half the context, at
+    least one (fit_prompt's rule, and serve's)."""
+    return ctx - max(1, min(room, ctx // 2))
+
+
 def fit_prompt(ids, ctx, room):
     """A prompt longer than the context keeps its last tokens, leaving `room` positions to generate
     (at most half the context), and says so in one line. An empty prompt is refused."""
     if not len(ids):
         raise UserError("the prompt is empty; give some text (a newline will do)")
-    keep = ctx - max(1, min(room, ctx // 2))
+    keep = prompt_keep(ctx, room)
     if len(ids) > keep:
         print(f"[the prompt is {len(ids)} tokens: kept its last {keep} to fit the context of {ctx}]", file=sys.stderr)
         return list(ids[-keep:])

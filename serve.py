@@ -246,9 +246,9 @@ class Requests:
 
     def tail(self, ids, max_new):
         """A prompt that does not fit the context keeps its last tokens, leaving room to answer as sample does
-        (pipeline.fit_prompt: max_tokens, at most half the context, at least one). One that fits is kept whole
+        (pipeline.prompt_keep: max_tokens, at most half the context, at least one). One that fits is kept whole
         (max_tokens beyond the room left ends the answer there, "length")."""
-        return ids if len(ids) < self.ctx else ids[len(ids) - (self.ctx - max(1, min(max_new, self.ctx // 2))):]
+        return ids if len(ids) < self.ctx else ids[len(ids) - pl.prompt_keep(self.ctx, max_new):]
 
     def chat_prompt(self, body, max_new):
         turns, last = _messages(body)
