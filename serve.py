@@ -122,6 +122,12 @@ class Job:
     def __post_init__(self):
         self.choices = [Choice(self, i) for i in range(self.n)]
 
+    def notify(self):
+        """(the scheduler) It has new ids: wake its connection's thread if that sleeps until the next."""
+        if self.waiting:
+            self.waiting = False
+            self.wake.set()
+
 
 @dataclass(eq=False)
 class Choice:
@@ -376,9 +382,8 @@ class Scheduler:
             if self.ended(ch, t):
                 if job.error is not None:
                     return
-            elif job.waiting:
-                job.waiting = False
-                job.wake.set()
+            else:
+                job.notify()
 
     def step(self):
         rows = sorted(self.active)
@@ -400,12 +405,10 @@ class Scheduler:
             if t == eot or len(drawn) >= job.limit:
                 ended.append((ch, t))
             elif job.waiting:                            # its connection sleeps: it has text now
-                job.waiting = False
-                job.wake.set()
+                job.notify()
         for ch, t in ended:
-            if self.active.get(ch.row) is ch and not self.ended(ch, t) and ch.job.waiting:
-                ch.job.waiting = False                   # (<|endoftext|> under ignore_eos)
-                ch.job.wake.set()
+            if self.active.get(ch.row) is ch and not self.ended(ch, t):
+                ch.job.notify()                          # (<|endoftext|> under ignore_eos)
 
     def ended(self, ch, t):
         """After a row's id t: whether it ends there (<|endoftext|>, max_tokens, the context's end, or -1: the
