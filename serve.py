@@ -695,14 +695,10 @@ class Handler(BaseHTTPRequestHandler):
                     self.end_headers()
                     if chat:
                         out += [chunk(i, {"role": "assistant", "content": ""}) for i in range(job.n)]
-                texts = {}                               # choice -> its text since the last event of another kind
-                for ev in events + [("end",)]:
+                for ev in events:                        # (a look has at most one text a choice, before its end)
                     if ev[0] == "text":
-                        texts[ev[1]] = texts.get(ev[1], "") + ev[2]
-                        continue
-                    out += [chunk(i, {"content": t}) for i, t in texts.items()]
-                    texts = {}
-                    if ev[0] == "done":
+                        out.append(chunk(ev[1], {"content": ev[2]}))
+                    elif ev[0] == "done":
                         out.append(chunk(ev[1], {}, ev[2]))
                         done, tokens = done + 1, tokens + ev[3]
                         if done == job.n and include_usage:
