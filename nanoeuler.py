@@ -629,10 +629,12 @@ class AdamW:
         self.update(P, G, lr, scale)
         return norm
 
-    def update(self, P, G, lr, scale):
-        per_part(lambda i, part: adamw_step(P.flat[part], G.flat[part], self.m.flat[part], self.v.flat[part],
-                                            self.mask[part], lr, self.beta1, self.beta2, self.eps, self.wd,
-                                            self.step_count, scale), P.flat.size)
+    def update(self, P, G, lr, scale, a=0, b=None):
+        """The AdamW update of P.flat[a:b] (all of it by default), its elements split over the cores."""
+        b = P.flat.size if b is None else b
+        per_part(lambda i, part: adamw_step(P.flat[a:b][part], G.flat[a:b][part], self.m.flat[a:b][part],
+                                            self.v.flat[a:b][part], self.mask[a:b][part], lr, self.beta1,
+                                            self.beta2, self.eps, self.wd, self.step_count, scale), b - a)
 
 
 def newton_schulz(U, steps=pl.MUON_NS_STEPS):
@@ -665,8 +667,7 @@ class Muon(AdamW):
 
     def update(self, P, G, lr, scale):
         for a, b in self.ranges:
-            adamw_step(P.flat[a:b], G.flat[a:b], self.m.flat[a:b], self.v.flat[a:b], self.mask[a:b], lr, self.beta1,
-                       self.beta2, self.eps, self.wd, self.step_count, scale)
+            super().update(P, G, lr, scale, a, b)
         mu, lr_muon = self.momentum, lr * self.muon_ratio
 
         def matrix(name):                              # one matrix; BLAS and the Numba sum release the GIL
