@@ -90,9 +90,8 @@ def run_here(script, *args, env=None, input=None, plots=True):
             m.delenv(k, raising=False)
         for k, v in env.items():
             m.setenv(k, v)
-        if "NANOEULER_CACHE" in env:                 # read once, at import, into prepare_data's default
+        if "NANOEULER_CACHE" in env:                 # read once, at import, into pipeline.CACHE
             m.setattr(pl, "CACHE", env["NANOEULER_CACHE"])
-            m.setattr(pl.prepare_data, "__defaults__", (env["NANOEULER_CACHE"],))
         if not plots:
             m.setitem(sys.modules, "matplotlib", None)   # import matplotlib -> ImportError
         m.setattr(sys, "stdin", io.StringIO(input or ""))

@@ -384,10 +384,11 @@ def check_vocab_fits(tok, cfg, name, source):
                         f"{cfg.vocab}; use a config that fits ({', '.join(fits) or 'none'}) or a smaller tokenizer")
 
 
-def prepare_data(data_path, cfg, cfg_name, cache_dir=CACHE):
+def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
     """Corpus -> (uint16 tokens, tokenizer of at most cfg.vocab ids). A .bin file is taken as tokens and
     needs its tokenizer beside it (NAME.bpe or tokenizer.bpe); a text file (or the embedded default, for
-    None) is tokenised once and cached under cache_dir."""
+    None) is tokenised once and cached under cache_dir (default CACHE)."""
+    cache_dir = cache_dir or CACHE
     if data_path and data_path.endswith(".bin"):
         existing_file(data_path, "token file")
         tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
