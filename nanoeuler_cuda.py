@@ -2888,13 +2888,14 @@ class AdamW:
 # --- Muon (--optim muon, CONTRACT.md; nanoeuler.Muon's update rule): the blocks' matrices, each kind (wq of every
 #     layer, wk of every layer, ...) L matrices one layer's stride apart in the flat buffer. Per kind: the
 #     momentum and the partial sums of squares of the Nesterov mix u (muon_momentum), then X = u / (|u|_F + eps)
-#     in the wide orientation (a tall matrix transposed) into a batch of the kinds of one oriented shape
-#     (muon_x); five Newton-Schulz steps on that batch as strided-batched GEMMs, bf16 operands with fp32
-#     accumulation on the bf16 path (as nanochat's muon.py and modded-nanogpt run it), fp32 on the others; then
-#     p -= lr_muon * max(1, rows/cols)^0.5 * X (muon_apply, with the bf16 copy of the weights on the bf16
-#     path). A step X <- a X + (b A + c A^2) X with A = X X^T is three GEMMs and one elementwise pass:
-#     A = X X^T; Bm = c A A; Bm += b A + a I (muon_poly); X' = Bm X. Grid (MUON_PARTS, L): a block per part of
-#     one matrix, so each matrix's sum of squares is MUON_PARTS partial sums added in a fixed order. ---
+#     into a batch of the kinds of one shape (muon_x); five Newton-Schulz steps on that batch as strided-batched
+#     GEMMs, bf16 operands with fp32 accumulation on the bf16 path (as nanochat's muon.py and modded-nanogpt
+#     run it), fp32 on the others; then p -= lr_muon * max(1, rows/cols)^0.5 * X (muon_apply, with the bf16
+#     copy of the weights on the bf16 path). A step X <- a X + (b A + c A^2) X with A = X X^T is three GEMMs
+#     and one elementwise pass: A = X X^T; Bm = c A A; Bm += b A + a I (muon_poly); X' = Bm X. A tall X (w1,
+#     w3) takes the same step on its transpose without moving it: A = X^T X, X' = X Bm (Bm is symmetric), so
+#     every pass reads and writes in the weights' own order. Grid (MUON_PARTS, L): a block per part of one
+#     matrix, so each matrix's sum of squares is MUON_PARTS partial sums added in a fixed order. ---
 
 MUON_SRC = cuda_source("muon", ["muon_momentum", "muon_x_f32", "muon_x_bf16", "muon_poly_f32", "muon_poly_bf16",
                                 "muon_apply_f32", "muon_apply_bf16"], r"""
@@ -2915,34 +2916,29 @@ extern "C" __global__ void muon_momentum(const float* __restrict__ g, float* __r
     double s = block_sum_f64(acc);
     if (threadIdx.x == 0) part[(i64)blockIdx.y * gridDim.x + blockIdx.x] = s;
 }
-// X[l] = u / (sqrt(sum of the matrix's parts) + eps), u recomputed as muon_momentum made it (m already updated);
-// tr: X[l] is the transpose (cols x rows) of the rows x cols matrix
+// X[l] = u / (sqrt(sum of the matrix's parts) + eps), u recomputed as muon_momentum made it (m already updated)
 template <typename T>
 __device__ __forceinline__ void muon_x_body(const float* __restrict__ g, const float* __restrict__ m,
-        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int n,
         const double* __restrict__ part, float eps, T* __restrict__ X) {
     const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));
     const i64 off = base + layer_size * blockIdx.y;
     double s = 0.0;
     for (int i = 0; i < (int)gridDim.x; i++) s += part[(i64)blockIdx.y * gridDim.x + i];
     const float den = (float)(sqrt(s) + (double)eps);
-    const int n = rows * cols;
     T* x = X + (i64)blockIdx.y * n;
-    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
-        float u = (1.f - mu) * (g[off + e] * gscale) + mu * m[off + e];
-        int r = e / cols, c = e - r * cols;
-        stf(x + (tr ? (i64)c * rows + r : (i64)e), u / den);
-    }
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x)
+        stf(x + e, ((1.f - mu) * (g[off + e] * gscale) + mu * m[off + e]) / den);
 }
 extern "C" __global__ void muon_x_f32(const float* __restrict__ g, const float* __restrict__ m,
-        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int n,
         const double* __restrict__ part, float eps, float* __restrict__ X) {
-    muon_x_body<float>(g, m, norm, clip, mu, base, layer_size, rows, cols, tr, part, eps, X);
+    muon_x_body<float>(g, m, norm, clip, mu, base, layer_size, n, part, eps, X);
 }
 extern "C" __global__ void muon_x_bf16(const float* __restrict__ g, const float* __restrict__ m,
-        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int rows, int cols, int tr,
+        const float* __restrict__ norm, float clip, float mu, i64 base, i64 layer_size, int n,
         const double* __restrict__ part, float eps, bf16* __restrict__ X) {
-    muon_x_body<bf16>(g, m, norm, clip, mu, base, layer_size, rows, cols, tr, part, eps, X);
+    muon_x_body<bf16>(g, m, norm, clip, mu, base, layer_size, n, part, eps, X);
 }
 // Bm <- Bm + b A + a I over a batch of r x r matrices (Bm holds c A A)
 template <typename T>
@@ -2961,46 +2957,44 @@ extern "C" __global__ void muon_poly_bf16(bf16* __restrict__ Bm, const bf16* __r
                                           float a, float b) {
     muon_poly_body<bf16>(Bm, A, r, total, a, b);
 }
-// p -= lr_muon * scale * X[l] (transposed back where tr), lr_muon = hyper[3]; WB: the bf16 copy too
+// p -= lr_muon * scale * X[l], lr_muon = hyper[3]; WB: the bf16 copy too
 template <typename T, bool WB>
 __device__ __forceinline__ void muon_apply_body(float* __restrict__ p, bf16* __restrict__ pb,
-        const T* __restrict__ X, const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows,
-        int cols, int tr) {
+        const T* __restrict__ X, const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int n) {
     const float step = hyper[3] * scale;
     const i64 off = base + layer_size * blockIdx.y;
-    const int n = rows * cols;
     const T* x = X + (i64)blockIdx.y * n;
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x) {
-        int r = e / cols, c = e - r * cols;
-        float pi = p[off + e] - step * ldf(x + (tr ? (i64)c * rows + r : (i64)e));
+        float pi = p[off + e] - step * ldf(x + e);
         p[off + e] = pi;
         if (WB) pb[off + e] = f2bf(pi);
     }
 }
 extern "C" __global__ void muon_apply_f32(float* __restrict__ p, const float* __restrict__ X,
-        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows, int cols, int tr) {
-    muon_apply_body<float, false>(p, nullptr, X, hyper, scale, base, layer_size, rows, cols, tr);
+        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int n) {
+    muon_apply_body<float, false>(p, nullptr, X, hyper, scale, base, layer_size, n);
 }
 extern "C" __global__ void muon_apply_bf16(float* __restrict__ p, bf16* __restrict__ pb, const bf16* __restrict__ X,
-        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int rows, int cols, int tr) {
-    muon_apply_body<bf16, true>(p, pb, X, hyper, scale, base, layer_size, rows, cols, tr);
+        const float* __restrict__ hyper, float scale, i64 base, i64 layer_size, int n) {
+    muon_apply_body<bf16, true>(p, pb, X, hyper, scale, base, layer_size, n);
 }
 """)
 MUON_PARTS = 16     # blocks per matrix in the momentum, X and update passes (big's w1: 16 x 256 threads, 384 each)
 
 
-def bmm_ex(C, A, B, tb=False, alpha=1.0, beta=0.0):
-    """mm over a batch, C (nb, M, N) = alpha A @ op(B) + beta C per matrix, fp32 or bf16 (then fp32
+def bmm_ex(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
+    """mm over a batch, C (nb, M, N) = alpha op(A) @ op(B) + beta C per matrix, fp32 or bf16 (then fp32
     accumulation), in one cublasGemmStridedBatchedEx through ctypes (capturable, as _gemm_ex), or one mm per
     matrix where libcublas is not found."""
     nb, M, N = C.shape
-    K = A.shape[2]
-    assert A.shape == (nb, M, K) and B.shape == ((nb, N, K) if tb else (nb, K, N)), (C.shape, A.shape, B.shape, tb)
+    K = A.shape[1] if ta else A.shape[2]
+    assert A.shape == ((nb, K, M) if ta else (nb, M, K)) and B.shape == ((nb, N, K) if tb else (nb, K, N)), \
+        (C.shape, A.shape, B.shape, ta, tb)
     assert A.dtype == B.dtype == C.dtype and A.flags.c_contiguous and B.flags.c_contiguous and C.flags.c_contiguous
     lib = _blas_lib()
     if lib is None:
         for i in range(nb):
-            mm(C[i], A[i], B[i], tb=tb, alpha=alpha, beta=beta)
+            mm(C[i], A[i], B[i], ta=ta, tb=tb, alpha=alpha, beta=beta)
         return
     fn = lib.cublasGemmStridedBatchedEx
     if fn.argtypes is None:
@@ -3008,9 +3002,10 @@ def bmm_ex(C, A, B, tb=False, alpha=1.0, beta=0.0):
         i, v, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
         fn.argtypes = [v, i, i, i, i, i, v, v, i, i, ll, v, i, i, ll, v, v, i, i, ll, i, i, i]
     t = _data_type(C)
-    # row-major C = A op(B) is column-major C^T = op(B)^T A^T, as in mm
-    err = fn(_handle, int(tb), 0, N, M, K, _ptr(alpha), B.data.ptr, t, B.shape[2], B.shape[1] * B.shape[2],
-             A.data.ptr, t, K, M * K, _ptr(beta), C.data.ptr, t, N, M * N, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    # row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, as in mm
+    err = fn(_handle, int(tb), int(ta), N, M, K, _ptr(alpha), B.data.ptr, t, B.shape[2], B.shape[1] * B.shape[2],
+             A.data.ptr, t, A.shape[2], M * K, _ptr(beta), C.data.ptr, t, N, M * N, nb, CUBLAS_COMPUTE_32F,
+             CUBLAS_GEMM_DEFAULT)
     if err:
         raise RuntimeError(f"cublasGemmStridedBatchedEx failed with status {err}")
 
@@ -3024,14 +3019,14 @@ class Muon(AdamW):
         super().__init__(P, G, Pb=Pb)
         self.muon_ratio, self.skip_matrices, self.momentum = muon_ratio, 1, momentum
         L, dt = P.cfg.n_layers, BF if Pb is not None else np.float32
-        groups = {}                                   # oriented shape (r <= c) -> [(base, rows, cols, tall)]
+        groups = {}                                   # shape (rows, cols) -> the bases of its kinds
         for w in pl.MUON_MATRICES:
-            base, _, (rows, cols) = P.offsets[f"layers.0.{w}"]
-            groups.setdefault((min(rows, cols), max(rows, cols)), []).append((base, rows, cols, rows > cols))
+            base, _, shape = P.offsets[f"layers.0.{w}"]
+            groups.setdefault(tuple(shape), []).append(base)
         self.groups = list(groups.items())
         most = max(len(k) * L * r * c for (r, c), k in self.groups)
-        gram = max(len(k) * L * r * r for (r, c), k in self.groups)
-        # one set of scratch for the groups in turn (big, bf16: 2 x 75.5M + 2 x 28.3M elements, 0.42 GB)
+        gram = max(len(k) * L * min(r, c) ** 2 for (r, c), k in self.groups)
+        # one set of scratch for the groups in turn (big, bf16: 2 x 50.3M + 2 x 18.9M elements, 0.28 GB)
         self.X, self.Xn, self.A, self.Bm = cp.empty(most, dt), cp.empty(most, dt), cp.empty(gram, dt), cp.empty(gram, dt)
         self.sums = cp.zeros(max(len(k) for _, k in self.groups) * L * MUON_PARTS, np.float64)
 
@@ -3043,29 +3038,29 @@ class Muon(AdamW):
         L, bf, mu, clip = self.P.cfg.n_layers, self.Pb is not None, F32(self.momentum), F32(self.clip)
         a, b, c = pl.MUON_NS_COEFFS
         grid, stride = (MUON_PARTS, L), np.int64(self.layer_size)
-        for (r, n), kinds in self.groups:
-            nb = len(kinds) * L
-            X, Xn = self.X[:nb * r * n].reshape(nb, r, n), self.Xn[:nb * r * n].reshape(nb, r, n)
-            A, Bm = self.A[:nb * r * r].reshape(nb, r, r), self.Bm[:nb * r * r].reshape(nb, r, r)
-            for j, (base, rows, cols, tall) in enumerate(kinds):
+        for (rows, cols), kinds in self.groups:
+            nb, n, g, tall = len(kinds) * L, rows * cols, min(rows, cols), rows > cols
+            X, Xn = self.X[:nb * n].reshape(nb, rows, cols), self.Xn[:nb * n].reshape(nb, rows, cols)
+            A, Bm = self.A[:nb * g * g].reshape(nb, g, g), self.Bm[:nb * g * g].reshape(nb, g, g)
+            for j, base in enumerate(kinds):
                 part = self.sums[j * L * MUON_PARTS:]
                 _k("muon_momentum")(grid, (256,), (self.G.flat, self.m.flat, self.norm, clip, mu, np.int64(base),
-                                                   stride, I32(rows * cols), part))
+                                                   stride, I32(n), part))
                 _k("muon_x_bf16" if bf else "muon_x_f32")(
-                    grid, (256,), (self.G.flat, self.m.flat, self.norm, clip, mu, np.int64(base), stride, I32(rows),
-                                   I32(cols), I32(tall), part, F32(pl.MUON_NS_EPS), X[j * L:]))
+                    grid, (256,), (self.G.flat, self.m.flat, self.norm, clip, mu, np.int64(base), stride, I32(n),
+                                   part, F32(pl.MUON_NS_EPS), X[j * L:]))
             for _ in range(pl.MUON_NS_STEPS):
-                bmm_ex(A, X, X, tb=True)                                 # A = X X^T
+                bmm_ex(A, X, X, ta=tall, tb=not tall)                    # A = X X^T (tall: X^T X)
                 bmm_ex(Bm, A, A, alpha=c)                                # c A^2
                 _k("muon_poly_bf16" if bf else "muon_poly_f32")((min(PROFILE.sms * 8, _blocks(A.size)[0]),), (256,),
-                                                                (Bm, A, I32(r), np.int64(A.size), F32(a), F32(b)))
-                bmm_ex(Xn, Bm, X)                                        # (a I + b A + c A^2) X
+                                                                (Bm, A, I32(g), np.int64(A.size), F32(a), F32(b)))
+                bmm_ex(Xn, X, Bm) if tall else bmm_ex(Xn, Bm, X)          # (a I + b A + c A^2) X (tall: X (..))
                 X, Xn = Xn, X
-            for j, (base, rows, cols, tall) in enumerate(kinds):
+            for j, base in enumerate(kinds):
                 head = (self.P.flat,) + ((self.Pb.flat,) if bf else ())
                 _k("muon_apply_bf16" if bf else "muon_apply_f32")(
                     grid, (256,), head + (X[j * L:], self.hyper, F32(pl.muon_scale((rows, cols))), np.int64(base),
-                                          stride, I32(rows), I32(cols), I32(tall)))
+                                          stride, I32(n)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3243,9 +3238,10 @@ def memory_estimate(cfg, B, T, precision="bf16", attn="flash", accum=1, prof=Non
     attn = attention_for(attn, cfg, bf, prof=prof or PROFILE or EMULATE["h200"])
     weights = n_par * (4 * 4 + (2 if bf else 0) + (4 if accum > 1 else 0))   # P, G, m, v; bf16 copy; accum's G
     if muon:                        # Muon.__init__'s X, Xn (its largest group) and A, Bm (its largest Gram batch)
-        sh = [sorted(dict(pl.param_shapes(cfg))[f"layers.0.{w}"]) for w in pl.MUON_MATRICES]
-        n = lambda r, c: sh.count([r, c]) * L
-        weights += 2 * (2 if bf else 4) * (max(n(r, c) * r * c for r, c in sh) + max(n(r, c) * r * r for r, c in sh))
+        sh = [tuple(dict(pl.param_shapes(cfg))[f"layers.0.{w}"]) for w in pl.MUON_MATRICES]
+        n = lambda r, c: sh.count((r, c)) * L
+        weights += 2 * (2 if bf else 4) * (max(n(r, c) * r * c for r, c in sh) + max(n(r, c) * min(r, c) ** 2
+                                                                                 for r, c in sh))
     rms = -(-N // (4 * max(1, min(16, -(-N // 4096))))) * D * 4                 # rms_part_rows(N) x D fp32
     if bf:
         chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
@@ -5259,13 +5255,16 @@ def selftest_checks(rng):
     R += selftest_generation(rng, randn, tol)
     R += selftest_decoder(rng)
     R += selftest_adamw(rng, randn, tol)
-    # Muon's strided-batched products (bmm_ex): A B^T with alpha, and A B, three matrices each
-    A3, B3, C3 = randn(3, 24, 40), randn(3, 16, 40), randn(3, 40, 16)
-    out, out2 = _nan(3, 24, 16), _nan(3, 24, 16)
+    # Muon's strided-batched products (bmm_ex): A B^T with alpha, A B, and A^T B (a tall matrix's Gram), three
+    # matrices each
+    A3, B3, C3, D3 = randn(3, 24, 40), randn(3, 16, 40), randn(3, 40, 16), randn(3, 40, 24)
+    out, out2, out3 = _nan(3, 24, 16), _nan(3, 24, 16), _nan(3, 24, 16)
     bmm_ex(out, _d(A3), _d(B3), tb=True, alpha=0.5)
     bmm_ex(out2, _d(A3), _d(C3))
-    R.append(("bmm_ex (batched A B^T x 0.5, A B)", max(rel_err(out, 0.5 * A3 @ B3.transpose(0, 2, 1)),
-                                                         rel_err(out2, A3 @ C3)), tol))
+    bmm_ex(out3, _d(D3), _d(C3), ta=True)
+    R.append(("bmm_ex (batched A B^T x 0.5, A B, A^T B)", max(rel_err(out, 0.5 * A3 @ B3.transpose(0, 2, 1)),
+                                                               rel_err(out2, A3 @ C3),
+                                                               rel_err(out3, D3.transpose(0, 2, 1) @ C3)), tol))
     R += selftest_muon(rng, randn)
     # cuBLAS GEMM wrapper: all transposes, TF32 off (float32 accuracy) and on (must differ: TF32 engaged)
     M, Nn, Kk = 96, 80, 1000

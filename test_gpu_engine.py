@@ -101,9 +101,10 @@ def test_the_planner_fits_every_profile(key, monkeypatch):
     for (prec, attn, B), gib in H200_PEAKS.items():
         est = nc.memory_estimate(big, B, 512, prec, attn, prof=nc.EMULATE["h200"])
         assert gib * nc.GiB <= est <= 1.25 * gib * nc.GiB, (prec, attn, B, est / nc.GiB, gib)
-    # Muon's scratch (Muon.__init__: big bf16, 2 x 75.5M + 2 x 28.3M bf16 elements, 0.42 GB) is counted too
+    # Muon's scratch (Muon.__init__: big bf16, X and Xn of w1|w3's 32 x 2048 x 768 and A and Bm of 32 768 x 768
+    # Gram matrices, 2 x 50.3M + 2 x 18.9M bf16 elements, 0.277 GB) is counted too
     muon = nc.memory_estimate(big, 16, 512, muon=True) - nc.memory_estimate(big, 16, 512)
-    assert 0.41e9 <= muon / nc.MEM_SLACK[0] <= 0.42e9, muon
+    assert 0.276e9 <= muon / nc.MEM_SLACK[0] <= 0.278e9, muon
     if key == "rtx4070":
         assert nc.memory_estimate(big, 16, 512, "bf16") <= prof.free
         assert nc.fit_batch(large, 1024, "bf16", "flash", 1, prof.free) >= 1
