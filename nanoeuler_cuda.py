@@ -2979,7 +2979,7 @@ extern "C" __global__ void muon_apply_bf16(float* __restrict__ p, bf16* __restri
     muon_apply_body<bf16, true>(p, pb, X, hyper, scale, base, layer_size, n);
 }
 """)
-MUON_PARTS = 16     # blocks per matrix in the momentum, X and update passes (big's w1: 16 x 256 threads, 384 each)
+MUON_PARTS = 64     # blocks per matrix in the momentum, X and update passes (big: 64 x 16 = 1,024 blocks, 8 an SM)
 
 
 def bmm_ex(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
