@@ -1141,8 +1141,8 @@ class Decoder:
             else:
                 out[j] = s.sample(logits[j], self.rows[r][2], self.rows[r][1])
         for (temperature, top_k), js in plain.items():
-            for j, p in zip(js, pl.Sampling(temperature, top_k).probs(logits[js])):
-                out[j] = pl.draw(p, self.rows[rows[j]][1])
+            rngs = [self.rows[rows[j]][1] for j in js]
+            out[js] = pl.draw_rows(pl.Sampling(temperature, top_k).probs(logits[js]), rngs)
         for j, r in enumerate(rows):
             if out[j] >= 0:
                 self.rows[r][2].append(int(out[j]))

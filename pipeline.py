@@ -607,6 +607,15 @@ def draw(p, rng):
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
+def draw_rows(p, rngs):
+    """draw() of each row of p (n, V), row i with its own generator rngs[i], in one pass (8 rows of 512 ids:
+    51 us against 100): the cumulative sums are each row's own (numpy adds along a row in order), and
+    searchsorted's index is the count of sums at or below the point (they never decrease: p >= 0)."""
+    cdf = np.cumsum(p, axis=-1)
+    u = np.array([rng.random() for rng in rngs]) * cdf[:, -1]
+    return np.minimum((cdf <= u[:, None]).sum(axis=-1), p.shape[-1] - 1)
+
+
 def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, n_mtp, ctx):
     """Speculative sampling with the model's own MTP heads as the draft model, over an engine's KV cache:
     forward(ids) runs ids at the cache's next positions (the whole prompt first) and returns every head's

@@ -626,6 +626,24 @@ def test_top_k_samples_only_the_k_likeliest_in_their_proportions():
     assert draw(5000, 1.0, 8).min() > 0                        # k >= vocabulary: every id can come
 
 
+def test_rows_draw_as_each_row_alone():
+    """serve's CPU batch draws its rows at once (pl.draw_rows): each row's id is the inverse of its own
+    cumulative sum at its own generator's uniform, as searchsorted finds it, zeros and ties included."""
+    rng = np.random.default_rng(0)
+    for V in (2, 8, 300, 4096):
+        p = rng.random((9, V)) ** 4
+        p[:, rng.random(V) < 0.5] = 0.0                         # ids that can never come
+        p[3] = 0.0
+        p[3, V // 2] = 1.0                                      # a one-hot row
+        p /= np.maximum(p.sum(axis=1, keepdims=True), 1e-300)
+        for seed in range(20):
+            rngs, refs = ([np.random.default_rng((seed, i)) for i in range(9)] for _ in range(2))
+            cdfs = [np.cumsum(row) for row in p]
+            want = [min(int(np.searchsorted(c, g.random() * c[-1], side="right")), V - 1) for c, g in zip(cdfs, refs)]
+            assert pl.draw_rows(p, rngs).tolist() == want
+            assert pl.draw(p[seed % 9], np.random.default_rng((seed, seed % 9))) == want[seed % 9]
+
+
 def test_low_temperature_concentrates():
     shares = [draw(4000, t, 0)[0] / 4000 for t in (2.0, 1.0, 0.3, 0.05)]
     assert shares == sorted(shares) and shares[-1] > 0.999 and shares[0] < 0.3
