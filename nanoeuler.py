@@ -1108,6 +1108,7 @@ class Decoder:
         P, cfg, c = self.P, self.P.cfg, self.one
         slots = np.asarray(rows, np.int64)
         pos = self.len[slots]
+        assert pos.max() < self.ctx, "a row past the context"      # (the kernels write its key unchecked)
         n = len(rows)
         N = n + (-n) % 4
         x = np.zeros((N, cfg.dim), P.flat.dtype)

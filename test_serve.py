@@ -423,6 +423,18 @@ def test_decoder_samples_rows_together_as_sampling_does_one_by_one():
         assert dec._sample(list(range(12)), logits).tolist() == want
 
 
+def test_a_row_at_the_context_end_is_refused_not_written_past_it():
+    """serve ends a row at the context (job.limit); the CPU Decoder also refuses a step past it, as the GPU's
+    does, rather than write a key beyond its cache slot (its kernels do not check bounds)."""
+    P = pl.Params.init(pl.CONFIGS["tiny"], 0)
+    dec = ne.Decoder(P, 2)
+    dec.start(0, list(range(1, P.cfg.ctx)), GREEDY, 0)          # ctx - 1 ids: one step fits
+    dec.start(1, [1, 2], GREEDY, 0)
+    dec.step([0, 1])
+    with pytest.raises(AssertionError, match="past the context"):
+        dec.step([0, 1])
+
+
 def test_a_row_whose_logits_go_nan_fails_alone(model):
     """Authority: issue 33, "a NaN in one row's logits fails that request alone with a 500 and an error body,
     and the others finish"; the body in OpenAI's error shape (API reference, Error codes: 500, type
