@@ -404,7 +404,7 @@ class Scheduler:
             job = ch.job
             if t == eot or len(drawn) >= job.limit:
                 ended.append((ch, t))
-            elif job.waiting:                            # its connection sleeps: it has text now
+            else:                                        # its connection, if it sleeps: it has text now
                 job.notify()
         for ch, t in ended:
             if self.active.get(ch.row) is ch and not self.ended(ch, t):
