@@ -431,13 +431,16 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
     return load_tokens(base + ".bin", cfg.vocab), tok
 
 
+VAL_FRAC = 0.1         # the tail of a token file that validates (Batches): the rest trains
+
+
 class Batches:
     """Random windows of T+1 tokens from one split (the first 1-val_frac of the file trains, the rest
     validates). The generator state is the data position, saved in checkpoints for exact resumption.
     Several GPUs: every rank draws the windows of all `world` ranks (the same generator everywhere) and keeps
     rows rank*B .. rank*B+B-1, so one GPU with batch world*B draws exactly the batches of `world` GPUs."""
 
-    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=0.1, rank=0, world=1):
+    def __init__(self, tokens, B, T, seed=0, split="train", val_frac=VAL_FRAC, rank=0, world=1):
         n_val = max(T + 2, int(len(tokens) * val_frac))
         self.tokens = tokens[:len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val:]
         if len(self.tokens) < T + 2:

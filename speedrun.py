@@ -206,19 +206,26 @@ def stage_tokenizer(plan, run):
                 bin=path, bpe=path[:-4] + ".bpe")
 
 
+def epochs(plan, tokens, steps):
+    """Passes over the training split (all but pipeline's VAL_FRAC of the tokens) that `steps` steps make."""
+    return steps * plan["batch"] * plan["seq"] / ((1 - pl.VAL_FRAC) * tokens)
+
+
 def pretrain_steps(plan, tokens):
-    """The budget's steps, or fewer: at most MAX_EPOCHS passes over the training split (90% of the tokens)."""
-    return max(MIN_STEPS, min(plan["steps"], int(MAX_EPOCHS * 0.9 * tokens // (plan["batch"] * plan["seq"]))))
+    """The budget's steps, or fewer: at most MAX_EPOCHS passes over the training split."""
+    per_step = plan["batch"] * plan["seq"]
+    return max(MIN_STEPS, min(plan["steps"], int(MAX_EPOCHS * (1 - pl.VAL_FRAC) * tokens // per_step)))
 
 
 def stage_pretrain(plan, run, tokenizer, log):
-    out, steps = os.path.join(run, "pretrain"), pretrain_steps(plan, tokenizer["tokens"])
-    epochs = lambda n: n * plan["batch"] * plan["seq"] / (0.9 * tokenizer["tokens"])
+    out, tokens = os.path.join(run, "pretrain"), tokenizer["tokens"]
+    steps = pretrain_steps(plan, tokens)
     print(f"pretraining {plan['config']}: {steps:,} steps x {plan['batch']} x {plan['seq']} = "
-          f"{steps * plan['batch'] * plan['seq']:,} tokens, {epochs(steps):.1f} epochs of the training split"
-          + (f" (the budget buys {plan['steps']:,} steps, {epochs(plan['steps']):.1f} epochs; past {MAX_EPOCHS} repeated "
-             "text gains little and overfits: Muennighoff et al. 2023; more text: make data, or a larger --data)"
-             if steps < plan["steps"] else ""))
+          f"{steps * plan['batch'] * plan['seq']:,} tokens, {epochs(plan, tokens, steps):.1f} epochs of the training "
+          "split"
+          + (f" (the budget buys {plan['steps']:,} steps, {epochs(plan, tokens, plan['steps']):.1f} epochs; past "
+             f"{MAX_EPOCHS} repeated text gains little and overfits: Muennighoff et al. 2023; more text: make data, or "
+             "a larger --data)" if steps < plan["steps"] else ""))
     ckpt = os.path.join(out, "ckpt.npz")
     done = 0
     if os.path.isfile(ckpt):
