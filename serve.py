@@ -28,6 +28,8 @@ The engine hands serve a decoder of `capacity` rows (--max-batch), used from the
     start(row, ids, sampling, seed)   # prefill free row `row` with ids (1 <= len < ctx), its repetition
                                       # history = ids, its own generator np.random.default_rng(seed)
                                       # -> its first id (-1: the logits are not finite)
+    starts(items) -> ids              # optional: start(*item) for each (row, ids, sampling, seed) at once
+                                      # (the GPU packs the prompts in a few passes) -> their first ids
     step(rows) -> ids                 # rows: active rows, ascending; feeds each the id it returned last
                                       # -> an int array of each row's next id (-1: not finite). serve never
                                       # passes a row whose position would pass ctx
@@ -361,29 +363,37 @@ class Scheduler:
                     self.release(ch)
                 elif ch is None and job.live:
                     self.end(job, "left", note="the client left")
-            for job, rows in starting:
-                self.start(job, rows)
+            if starting:
+                self.start(starting)
             if self.active:
                 self.step()
 
-    def start(self, job, rows):
-        job.t0, job.limit = time.perf_counter(), min(job.max_new, self.decoder.ctx - len(job.prompt))
-        for ch, row in zip(job.choices, rows):
-            ch.row = row
-            self.active[row] = ch
-        job.live = job.n
-        for i, (ch, row) in enumerate(zip(job.choices, rows)):
-            try:
-                t = self.decoder.start(row, job.prompt, job.sampling, (job.seed + i) % (1 << 64))
-            except Exception as e:                       # an engine failure ends this request, not the server
-                return self.fail(job, f"generation failed: {type(e).__name__}: {e}")
+    def start(self, starting):
+        """Prefills the starting jobs' rows (all at once where the decoder has starts()) and hands out their
+        first ids."""
+        items, choices = [], []
+        for job, rows in starting:
+            job.t0, job.limit = time.perf_counter(), min(job.max_new, self.decoder.ctx - len(job.prompt))
+            for i, (ch, row) in enumerate(zip(job.choices, rows)):
+                ch.row = row
+                self.active[row] = ch
+                items.append((row, job.prompt, job.sampling, (job.seed + i) % (1 << 64)))
+                choices.append(ch)
+            job.live = job.n
+        many = getattr(self.decoder, "starts", None)
+        try:
+            firsts = many(items) if many else [self.decoder.start(*it) for it in items]
+        except Exception as e:                           # an engine failure ends these requests, not the server
+            for job, _ in starting:
+                self.fail(job, f"generation failed: {type(e).__name__}: {e}")
+            return
+        for ch, t in zip(choices, firsts):
+            if ch.job.error is not None:                 # (an earlier choice of its job failed it)
+                continue
             if t >= 0:
                 ch.ids.append(t)
-            if self.ended(ch, t):
-                if job.error is not None:
-                    return
-            else:
-                job.notify()
+            if not self.ended(ch, t):
+                ch.job.notify()
 
     def step(self):
         rows = sorted(self.active)
