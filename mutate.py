@@ -315,6 +315,9 @@ MUTANTS = [
      [('|\\s+(?!\\S)|\\s+""")', '|\\s+""")', 1)], _T36A_BPE),
     ('encoder merges the leftmost pair first', 'bpe.py',
      [('if rank is not None and (best_rank is None or rank < best_rank):', 'if rank is not None and best_rank is None:', 1)], _T36A_BPE),
+    ('a regex match lets the GIL go', 'bpe.py',
+     [('GPT2_PATTERN.findall(text, concurrent=False)', 'GPT2_PATTERN.findall(text)', 1)],
+     ("test_tokenizer.py::test_encoding_keeps_the_gil",)),
     ('merge that uses its own id accepted', 'bpe.py',
      [('if max(pair) >= 256 + len(merges):', 'if max(pair) > 256 + len(merges):', 1)], _T36A_BPE),
     # issue 35: the speedrun's resumption and card
