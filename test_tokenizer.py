@@ -10,6 +10,8 @@ import codecs
 import json
 import random
 import re
+import sys
+import threading
 import time
 from collections import Counter
 
@@ -178,15 +180,10 @@ def test_streaming_decode_of_partial_utf8():
     assert "".join(dec.decode(byte_tok.decode_bytes([i])) for i in ids) == s
 
 
-# ----------------------------------------------------------------------------------------------------
-# serialisation
-
 def test_encoding_keeps_the_gil():
     """serve's connection threads encode prompts at once: a regex match that lets the GIL go makes each
     queue to take it back (32 threads: a 0.07 ms match took 3.5 ms). With no forced switches (an interval
     of 60 s), a thread that waits for the GIL runs only where encode() lets it go: never."""
-    import sys
-    import threading
     count, stop = [0], threading.Event()
 
     def spin():                                          # waits for the GIL after each sleep(0)
@@ -211,6 +208,9 @@ def test_encoding_keeps_the_gil():
         t.join()
     assert ran == 0, ran
 
+
+# ----------------------------------------------------------------------------------------------------
+# serialisation
 
 def test_save_load_identity(tmp_path):
     s = TOK.to_string()
