@@ -4725,27 +4725,29 @@ class Decoder(Sampler):
         if self.Pb is None:
             return [self.start(*it) for it in items]
         self._settle()
-        rows, V, MP, nr = [], self.cfg.vocab, self._mp, DEC_REC * self._mp
+        V, MP, nr = self.cfg.vocab, self._mp, DEC_REC * self._mp
+        ids = [np.asarray(it[1], np.int64) for it in items]
         seen = np.zeros((len(items), V), np.int32)
-        ends = []                                # (pass, index in it, item) of each prompt's last row
-        for k, (row, ids, sampling, seed) in enumerate(items):
-            ids = [int(i) for i in ids]
-            pl.check_prompt(len(ids), self.ctx)
+        for k, (row, _, sampling, seed) in enumerate(items):
+            Tn = len(ids[k])
+            pl.check_prompt(Tn, self.ctx)
             assert 0 <= row < self.capacity, row
-            Tn = len(ids)
             self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
             self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
             self._valid.discard(row)
-            seen[k, ids] = 1
-            rows += [(row + 1, p, t) for p, t in enumerate(ids)]
-            ends.append(((len(rows) - 1) // MP, (len(rows) - 1) % MP, k))
+            seen[k, ids[k]] = 1
+        lens = np.array([len(i) for i in ids])
         slots = np.array([it[0] + 1 for it in items])
+        rows = np.stack([np.repeat(slots, lens), np.concatenate([np.arange(n) for n in lens]),   # (slot, pos, id)
+                         np.concatenate(ids)], 1).astype(np.int32)
+        last = np.cumsum(lens) - 1
+        ends = list(zip(last // MP, last % MP, range(len(items))))   # (pass, index in it, item): prompts' last rows
         with self._on_stream():
             self.seen[cp.asarray(slots)] = cp.asarray(seen)
             for a in range(0, len(rows), MP):
                 up = np.zeros(nr + 2 + MP, np.int32)
                 rec = up[:nr].reshape(MP, DEC_REC)
-                chunk = np.array(rows[a:a + MP], np.int32).reshape(-1, 3)
+                chunk = rows[a:a + MP]
                 rec[:len(chunk), DEC_FIELDS.index("SLOT")], rec[:len(chunk), self._POS] = chunk[:, 0], chunk[:, 1]
                 up[nr + 2:nr + 2 + len(chunk)] = chunk[:, 2]
                 self._pass.set(up)
