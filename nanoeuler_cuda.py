@@ -4729,12 +4729,7 @@ class Decoder(Sampler):
         ids = [np.asarray(it[1], np.int64) for it in items]
         seen = np.zeros((len(items), V), np.int32)
         for k, (row, _, sampling, seed) in enumerate(items):
-            Tn = len(ids[k])
-            pl.check_prompt(Tn, self.ctx)
-            assert 0 <= row < self.capacity, row
-            self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
-            self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
-            self._valid.discard(row)
+            self._begin(row, len(ids[k]), sampling, seed)
             seen[k, ids[k]] = 1
         lens = np.array([len(i) for i in ids])
         slots = np.array([it[0] + 1 for it in items])
@@ -4766,20 +4761,25 @@ class Decoder(Sampler):
             self._last[row] = max(int(t), 0)
         return [int(t) for t in first]
 
+    def _begin(self, row, Tn, sampling, seed):
+        """A free row's host state for a prompt of Tn ids: its record, its uniform numbers (one each id the
+        context leaves), the first of them taken by the first id, and no result of the step ahead."""
+        pl.check_prompt(Tn, self.ctx)
+        assert 0 <= row < self.capacity, row
+        self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
+        self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
+        self._valid.discard(row)
+
     def start(self, row, ids, sampling, seed):
         """Prefills row `row` (free) with the prompt ids, resets its seen ids to them and its generator to
         default_rng(seed); -> its first id (-1: the prompt's last logits are not all finite)."""
         if self.Pb is not None:
             return self.starts([(row, ids, sampling, seed)])[0]
         ids = [int(i) for i in ids]
-        pl.check_prompt(len(ids), self.ctx)
-        assert 0 <= row < self.capacity, row
         Tn, s = len(ids), row + 1
-        self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
-        self._drawn[row] = 0
-        self._rows[row] = self._record(s, Tn, sampling)
         self._settle()                   # (the pinned buffers are free once the step ahead has landed)
-        self._valid.discard(row)
+        self._begin(row, Tn, sampling, seed)
+        self._drawn[row] = 0             # (the first id's number, drawn here)
         with self._on_stream():
             self._prefill(ids, 1, 1)                             # stream 0, as one stream alone
             self.kv[:, :, s, :, :Tn] = self.kv[:, :, 0, :, :Tn]
