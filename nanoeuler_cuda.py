@@ -3796,17 +3796,18 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* acc, fl
 template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps_body(
         const float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, TO* __restrict__ out,
         const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows,
-        int Hkv, int ctx, float scale) {
+        int Hkv, int ctx, float scale, const int* __restrict__ rec) {
     constexpr int LPK = HD / 8, KPS = 32 / LPK;
     __shared__ float wm[GQ][NW], wl[GQ][NW];
     __shared__ __align__(16) float wo[GQ][NW][HD];
     const int t = blockIdx.x, j = blockIdx.y, b = blockIdx.z, Cq = GQ * Hkv * HD;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, slot = lane / LPK, d0 = 8 * (lane % LPK);
     const i64 n = (i64)b * rows + t;
-    float* K = kc + ((i64)b * Hkv + j) * ctx * HD + d0;       // (written here where cosv: not read-only)
-    float* Vv = vc + ((i64)b * Hkv + j) * ctx * HD + d0;
     dep_wait();
-    const int nk = state[0] + t + 1, half = HD / 2, i0 = d0 % half;
+    const i64 cb = rec ? rec[ROW_REC * b + ROW_SLOT] : b;   // the cache's stream (a Decoder's row: its slot)
+    float* K = kc + (cb * Hkv + j) * ctx * HD + d0;           // (written here where cosv: not read-only)
+    float* Vv = vc + (cb * Hkv + j) * ctx * HD + d0;
+    const int nk = (rec ? rec[ROW_REC * b + ROW_POS] : state[0]) + t + 1, half = HD / 2, i0 = d0 % half;
     const float* row = qkv + n * (Cq + 2 * Hkv * HD);
     // cosv (rows == 1): the row's q and k are rotated here and its k and v appended at position nk - 1, as
     // rope_append does (rope_store's launch saved); a pair's other half is LPK/2 lanes away
@@ -3874,11 +3875,14 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
 #pragma unroll
         for (int h = 0; h < GQ; h++) {
             float mx = m[h];
-#pragma unroll
+            bool nan = false;                             // (fmaxf drops a NaN score: a poisoned cache's
+#pragma unroll                                            // NaN must reach the output)
             for (int g = 0; g < G; g++) {
                 if (k0 + g * KPS >= nk) s[h][g] = NEG_INF;
                 mx = fmaxf(mx, s[h][g]);
+                nan |= isnan(s[h][g]);
             }
+            if (nan) mx = __int_as_float(0x7fc00000);
             if (mx == NEG_INF) continue;                  // this slot has no key this round
             const float c = expf(m[h] - mx);
             l[h] *= c;
@@ -3953,16 +3957,22 @@ CACHE_ATTN_KERNELS = {
     **{attn_warps_name(hd, gq, bf):
        f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) {attn_warps_name(hd, gq, bf)}(const float* '
        f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
-       f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale) {{ '
-       f'attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, '
-       f'scale); }}\n' for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for bf, to in ATTN_OUT}}
+       f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale, '
+       f'const int* __restrict__ rec) {{ attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, '
+       f'state, cosv, sinv, rows, Hkv, ctx, scale, rec); }}\n'
+       for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for bf, to in ATTN_OUT}}
 CACHE_ATTN_SRC = cuda_source("cache_attn", CACHE_ATTN_KERNELS,
                              ROW_SRC + CACHE_ATTN_SRC + "".join(CACHE_ATTN_KERNELS.values()))
 
 
 def attn_warps(R, Hq, Hkv, hd):
-    """Whether attn_cached takes attn_warps_body: a step of many rows."""
-    return R > MATVEC_ROWS and hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
+    """Whether attn_cached takes attn_warps_body: a step of many rows (a Decoder's step: warps_fit)."""
+    return R > MATVEC_ROWS and warps_fit(Hq, Hkv, hd)
+
+
+def warps_fit(Hq, Hkv, hd):
+    """Whether attn_warps_body has an instance for these heads."""
+    return hd in ATTN_WARPS_HD and Hq // Hkv in ATTN_WARPS_GQ
 
 
 def attn_cached_smem(ch, hd):
@@ -3983,17 +3993,19 @@ def attn_chunk(hd, R, prof=None, ch=None):
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None, pdl=True):
     """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
     rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
-    here. rec (a Decoder step, a row per record): each row over its own slot and position, as one row alone;
-    pdl=False where the rows' earlier keys are this pass's (a Decoder's prompts: see launch)."""
+    here. rec (a Decoder step, a row per record): each row over its own slot and position, as one row alone
+    (with rope: by attn_warps, where warps_fit); pdl=False where the rows' earlier keys are this pass's (a
+    Decoder's prompts: see launch)."""
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
-    assert rec is None or (rows == 1 and rope is None)
-    if rec is None and attn_warps(R, Hq, Hkv, hd):          # many blocks that share the SMs
-        assert rope is None or rows == 1
+    assert rec is None or rows == 1
+    if (rec is None and attn_warps(R, Hq, Hkv, hd)) or (rec is not None and rope is not None):
+        assert (rope is None or rows == 1) and warps_fit(Hq, Hkv, hd)       # many blocks that share the SMs
         cos, sin = rope or (NULL, NULL)
         k = _k(attn_warps_name(hd, Hq // Hkv, out.dtype == BF))
         return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
-                      (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd))))
+                      (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)),
+                       NULL if rec is None else rec))
     assert rope is None
     # keys a chunk: a few blocks (a Decoder's rows: DECODER_CH), or many that share
     # the SMs; either fitted to the device
@@ -4692,18 +4704,24 @@ class Decoder(Sampler):
         weights and inputs with fp32 accumulation and output: each at M rows whatever B (DECODER_MAX for a
         step, _mp for a pass of prompts), so cuBLAS runs one kernel a product for every pass of its kind and a
         row's sums never depend on the other rows (the rows past B: inputs left by earlier passes, outputs
-        never read). RMSNorm, RoPE and the cache append (rope_store), the attention (pdl: see attn_cached) and
-        SwiGLU over the B rows, each row alone; -> the logits of the M rows in lg."""
+        never read). RMSNorm, RoPE and the cache append, the attention and SwiGLU over the B rows, each row
+        alone: in a step attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer);
+        in a pass (pdl=False, see attn_cached) rope_store first; -> the logits of the M rows in lg."""
         cfg, P, Pb = self.cfg, self.P, self.Pb
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         x, hb, qkv, r = self.x[:B], self.hb[:B], self.qkv[:B], self.r[:B]
+        fold = pdl and warps_fit(Hq, Hkv, hd)    # (a pass of prompts reads keys its own rows append)
         embed_fwd(P["tok_emb"], state[2:2 + B], x)
         for l in range(cfg.n_layers):
             p = f"layers.{l}."
             rmsnorm_fwd(x, P[p + "attn_norm"], hb, r)
             mm(self.qkv[:M], self.hb[:M], Pb.rows(p + "wq", p + "wv"), tb=True)
-            rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec)
-            attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
+            if fold:                     # a step: attn_warps rotates each row and appends it (a block a kv head)
+                attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, (self.cos, self.sin),
+                            rec)
+            else:
+                rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec)
+                attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
             mm(self.x[:M], self.attb[:M], Pb.rows(p + "wo", p + "wo"), tb=True, beta=1.0)   # x += attention
             rmsnorm_fwd(x, P[p + "ffn_norm"], hb, r)
             mm(self.gu[:M], self.hb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
@@ -5533,6 +5551,30 @@ def selftest_generation(rng, randn, tol):
     R.append((f"  a step of {S} streams at {p0}, head dims {ATTN_CACHED_HD}, 1-4 q heads a kv head", e, tol))
     R.append((f"  the same, RoPE and the append in the attention (head dims {ATTN_WARPS_HD})", er, tol))
     R.append(("    its k and v appended to the caches", ec, tol))
+    # a Decoder's step (records): each row at its own slot and position, RoPE and the append by attn_warps
+    d, Hq3, Hkv3, S, n = 64, 6, 2, 5, 81
+    slots, at = np.array([3, 0, 4, 1, 2]), np.array([10, 0, 79, 33, 5])
+    kc3, vc3, q3, o3 = randn(S, Hkv3, n, d), randn(S, Hkv3, n, d), randn(S, (Hq3 + 2 * Hkv3) * d), _nan(S, Hq3 * d)
+    recs = np.zeros((S, DEC_REC), np.int32)
+    recs[:, DEC_FIELDS.index("SLOT")], recs[:, DEC_FIELDS.index("POS")] = slots, at
+    c64, kd, vd = pl.rope_tables(n, d, np.float64), _d(kc3), _d(vc3)
+    attn_cached(_d(q3), kd, vd, o3, st0, 1, Hq3, Hkv3, d, tuple(_d(a.astype(np.float32)) for a in c64),
+                cp.asarray(recs.ravel()))
+    want, ea = np.zeros((S, Hq3 * d)), 0.0
+    for i, (sl, p) in enumerate(zip(slots, at)):
+        rot = lambda u, H: ne.rope_forward(u.reshape(1, H, d), np.array([p]), *c64).reshape(H, d)
+        qr, kr = rot(q3[i, :Hq3 * d], Hq3), rot(q3[i, Hq3 * d:(Hq3 + Hkv3) * d], Hkv3)
+        vr = q3[i, (Hq3 + Hkv3) * d:].reshape(Hkv3, d)
+        k, v = kc3[sl, :, :p + 1].copy(), vc3[sl, :, :p + 1].copy()
+        k[:, p], v[:, p] = kr, vr
+        ea = max(ea, rel_err(kd[sl, :, p], kr), rel_err(vd[sl, :, p], vr))
+        for h in range(Hq3):
+            sc = k[h // (Hq3 // Hkv3)] @ qr[h] / math.sqrt(d)
+            w = np.exp(sc - sc.max())
+            want[i, h * d:(h + 1) * d] = w / w.sum() @ v[h // (Hq3 // Hkv3)]
+    R.append(("  a Decoder's step: rows at their own slots and positions, RoPE and the append in attn_warps",
+              rel_err(o3, want), tol))
+    R.append(("    their k and v appended at their slots and positions", ea, tol))
     gu = randn(5, 140)
     act = cp.full((5, 70), 0x7fc0, BF)
     swiglu_fwd(_d(gu), act)
