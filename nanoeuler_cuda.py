@@ -911,6 +911,7 @@ __device__ __forceinline__ void rmsnorm_fwd_body(const float* __restrict__ x, co
         int has_add, const float* __restrict__ w, float* __restrict__ xout, TH* __restrict__ h,
         float* __restrict__ rstd, int N, int D) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31, D4 = D >> 2;
+    dep_wait();                                // (a Decoder's launch may start it early: see launch())
     if (row >= N) return;                      // whole warps leave; no block barrier below
     const float* xr = x + (i64)row * D;
     float4 v[8];
@@ -1067,14 +1068,15 @@ def rms_part_rows(N):
     return -(-N // (4 * rms_rows_per_warp(N)))
 
 
-def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None):
+def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None, pdl=False):
     """h = rmsnorm(x [+ add]) * w: h and add fp32, or both bf16 (the bf16 path); with add, the sum is also
-    written to xout (the new residual, fp32). D <= 1024, D % 4 == 0, rows 16-byte aligned."""
+    written to xout (the new residual, fp32). D <= 1024, D % 4 == 0, rows 16-byte aligned. pdl: a
+    programmatic dependent launch (a Decoder's step: its launch overlaps the product before it)."""
     N, D = x.shape
     has = add is not None
     assert D <= 1024 and D % 4 == 0 and (not has or add.dtype == h.dtype), (D, has and add.dtype, h.dtype)
-    _k("rmsnorm_fwd_bf16" if h.dtype == BF else "rmsnorm_fwd")(
-        _blocks(N, 8), (256,), (x, add if has else x, I32(has), w, xout if has else x, h, rstd, I32(N), I32(D)))
+    launch(_k("rmsnorm_fwd_bf16" if h.dtype == BF else "rmsnorm_fwd"), _blocks(N, 8), (256,),
+           (x, add if has else x, I32(has), w, xout if has else x, h, rstd, I32(N), I32(D)), pdl=pdl)
 
 
 def check_width(cfg):
@@ -1175,6 +1177,7 @@ extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __res
 }
 // fp32 gu, bf16 act: the batched decode step's (its next product takes bf16)
 extern "C" __global__ void swiglu_fwd_to_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int N, int F) {
+    dep_wait();                                // (a Decoder's launch may start it early: see launch())
     swiglu_fwd_body(gu, act, N, F);
 }
 extern "C" __global__ void swiglu_bwd(const float* __restrict__ dact, float* __restrict__ gu, int N, int F) {
@@ -1237,10 +1240,10 @@ extern "C" __global__ void swiglu_bwd_bf16_v8(const bf16* __restrict__ dact, bf1
 """)
 
 
-def swiglu_fwd(gu, act):
+def swiglu_fwd(gu, act, pdl=False):
     N, F = act.shape
     if gu.dtype == np.float32 and act.dtype == BF:
-        return _k("swiglu_fwd_to_bf16")(_blocks(N * F), (256,), (gu, act, I32(N), I32(F)))
+        return launch(_k("swiglu_fwd_to_bf16"), _blocks(N * F), (256,), (gu, act, I32(N), I32(F)), pdl=pdl)
     if act.dtype == BF:
         v8 = F % 8 == 0
         _k("swiglu_fwd_bf16_v8" if v8 else "swiglu_fwd_bf16")(_blocks(N * F // (8 if v8 else 2)), (256,),
@@ -4714,7 +4717,7 @@ class Decoder(Sampler):
         embed_fwd(P["tok_emb"], state[2:2 + B], x)
         for l in range(cfg.n_layers):
             p = f"layers.{l}."
-            rmsnorm_fwd(x, P[p + "attn_norm"], hb, r)
+            rmsnorm_fwd(x, P[p + "attn_norm"], hb, r, pdl=True)
             mm(self.qkv[:M], self.hb[:M], Pb.rows(p + "wq", p + "wv"), tb=True)
             if fold:                     # a step: attn_warps rotates each row and appends it (a block a kv head)
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, (self.cos, self.sin),
@@ -4723,11 +4726,11 @@ class Decoder(Sampler):
                 rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec)
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
             mm(self.x[:M], self.attb[:M], Pb.rows(p + "wo", p + "wo"), tb=True, beta=1.0)   # x += attention
-            rmsnorm_fwd(x, P[p + "ffn_norm"], hb, r)
+            rmsnorm_fwd(x, P[p + "ffn_norm"], hb, r, pdl=True)
             mm(self.gu[:M], self.hb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
-            swiglu_fwd(self.gu[:B], self.actb[:B])
+            swiglu_fwd(self.gu[:B], self.actb[:B], pdl=True)
             mm(self.x[:M], self.actb[:M], Pb.rows(p + "w2", p + "w2"), tb=True, beta=1.0)   # x += ffn
-        rmsnorm_fwd(x, P["norm"], hb, r)
+        rmsnorm_fwd(x, P["norm"], hb, r, pdl=True)
         mm(self.lg[:M], self.hb[:M], Pb.rows("heads.0", "heads.0"), tb=True)
 
     def _prompts(self):
