@@ -4601,7 +4601,7 @@ class Sampler:
 DECODER_MAX = 64                              # a Decoder's rows (concurrent requests) at most
 DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)    # a step's rows rounded up to one of these: a CUDA graph each
 DECODER_MEMORY = 0.5                          # the part of the free device memory a default Decoder's caches take
-PREFILL_ROWS = 256                            # prompt rows a pass of a Decoder's starts() (at most the context)
+PREFILL_ROWS = 512                            # prompt rows a pass of a Decoder's starts() (at most the context)
 
 
 def decoder_capacity(cfg, free=None):
@@ -4620,8 +4620,8 @@ class Decoder(Sampler):
     each a request with its own prompt, position, sampling rule and random generator, decoded together a step
     at a time. A row's ids depend on its own prompt, rule and seed alone, never on the other rows or on how
     many there are. Row i's cache is stream i + 1 (stream 0: the scratch of padding rows). starts() packs the
-    prompts' rows in passes of _mp rows (a CUDA graph) and draws each prompt's first id after the pass that
-    ends it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows
+    prompts' rows in passes of _mp rows (prefill, at most the context; a CUDA graph) and draws each prompt's
+    first id after the pass that ends it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows
     past them: stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both
     take _forward_tc: every product on the tensor cores from bf16 weights, cuBLAS at a fixed number of rows
     (DECODER_MAX a step, _mp a pass), each row's attention by attn_cached over its own slot, then
@@ -4635,7 +4635,7 @@ class Decoder(Sampler):
     _POS, _UNI = DEC_FIELDS.index("POS"), DEC_FIELDS.index("UNI")
     _SCALARS = pl.Sampling(0)            # sample_tokens' scalar rule, unused where it reads the records
 
-    def __init__(self, P, capacity=None, graphs=True):
+    def __init__(self, P, capacity=None, graphs=True, prefill=PREFILL_ROWS):
         gpu()
         capacity = capacity or decoder_capacity(P.cfg)
         if not 1 <= capacity <= DECODER_MAX:
@@ -4643,7 +4643,7 @@ class Decoder(Sampler):
         super().__init__(P, streams=capacity + 1, graphs=graphs, bf16=False)
         self.capacity, self.ctx = capacity, self.cfg.ctx
         if PROFILE.bf16:                 # _forward_tc's weights and buffers (serve's weights are fixed)
-            cfg, self._mp = self.cfg, min(PREFILL_ROWS, self.x.shape[0])
+            cfg, self._mp = self.cfg, min(prefill, self.x.shape[0])
             M = max(DECODER_MAX, self._mp)
             assert self.x.shape[0] >= M
             self.Pb = DeviceParams(cfg, dtype=BF)
@@ -4742,7 +4742,7 @@ class Decoder(Sampler):
     def starts(self, items):
         """start() for each (row, ids, sampling, seed) of items -> their first ids; with bf16 products, every
         prompt's rows packed in passes of _mp rows (a graph), each pass followed by the first ids of the
-        prompts it ends, and one read of the ids at the end (32 prompts of 65 ids: 9 passes)."""
+        prompts it ends, and one read of the ids at the end (32 prompts of 65 ids: 5 passes)."""
         if self.Pb is None:
             return [self.start(*it) for it in items]
         self._settle()
@@ -5674,7 +5674,7 @@ def selftest_decoder(rng):
         bf = PROFILE.bf16                       # peaked weights where ids must agree exactly (no near-ties)
         P = gradcheck_params(pl.CONFIGS[name], rng, scale=0.1 if bf else 0.3)
         V, cap = P.cfg.vocab, MATVEC_ROWS + 4                    # buckets up to 20 rows: two of matvec's chunks
-        dec, smp = Decoder(P, cap), Sampler(P)
+        dec, smp = Decoder(P, cap, prefill=PREFILL_ROWS // 4), Sampler(P)    # (small: a prompt over two passes)
         assert (dec.Pb is not None) == bf
         reqs = decoder_requests(rng, V, cap + 8)
         if bf and P.cfg.ctx > dec._mp + 50:      # a prompt over two passes, the first ending none
