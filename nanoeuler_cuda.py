@@ -4865,37 +4865,6 @@ class Decoder(Sampler):
         self._valid.discard(row)
 
 
-def decode_requests(dec, reqs):
-    """Requests (arrival step, prompt ids, ids wanted, pl.Sampling, seed) through a Decoder as serve runs
-    them: each joins at its arrival step (later while every row is taken) in the lowest free row, those of a
-    step started together (starts()), and leaves once it has its ids; -> each one's ids. The self-test's and
-    the tests' schedule."""
-    out, rows, t = [[] for _ in reqs], {}, 0                 # rows: row -> request
-    waiting = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
-
-    def got(r, i, tok):
-        out[i].append(int(tok))
-        if len(out[i]) >= reqs[i][2]:
-            dec.free(r)
-            del rows[r]
-    while waiting or rows:
-        joining = []
-        while waiting and reqs[waiting[0]][0] <= t and len(rows) < dec.capacity:
-            i = waiting.pop(0)
-            r = min(set(range(dec.capacity)) - set(rows))
-            rows[r] = i
-            joining.append((r, i))
-        if joining:
-            for (r, i), tok in zip(joining, dec.starts([(r, *reqs[i][1:2], *reqs[i][3:]) for r, i in joining])):
-                got(r, i, tok)
-        if rows:
-            active = sorted(rows)
-            for r, tok in zip(active, dec.step(active)):
-                got(r, rows[r], tok)
-        t += 1
-    return out
-
-
 def bench_generation(P, prompt, n=200, streams=64, reps=3):
     """Greedy generation of n tokens after the prompt: plain and speculative (one stream; the same ids) and
     `streams` continuations in one batch; each run once untimed (compiles, captures the graphs), then the
@@ -5650,7 +5619,7 @@ def selftest_generation(rng, randn, tol):
 
 
 def decoder_requests(rng, V, n):
-    """n random requests for decode_requests: arrivals over 6 steps, prompts of 1-19 ids, 2-24 ids wanted,
+    """n random requests for pl.decode_requests: arrivals over 6 steps, prompts of 1-19 ids, 2-24 ids wanted,
     greedy and sampled rules (top-k, top-p, a repetition penalty)."""
     rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3), pl.Sampling(1.2, 5)]
     return [(int(rng.integers(0, 6)), [int(i) for i in rng.integers(1, V, int(rng.integers(1, 20)))],
@@ -5679,8 +5648,8 @@ def selftest_decoder(rng):
         reqs = decoder_requests(rng, V, cap + 8)
         if bf and P.cfg.ctx > dec._mp + 50:      # a prompt over two passes, the first ending none
             reqs[3] = (reqs[3][0], [int(i) for i in rng.integers(1, V, dec._mp + 40)], *reqs[3][2:])
-        alone = [decode_requests(dec, [(0, *q[1:])])[0] for q in reqs]
-        mixed = decode_requests(dec, reqs)
+        alone = [pl.decode_requests(dec, [(0, *q[1:])])[0] for q in reqs]
+        mixed = pl.decode_requests(dec, reqs)
         R.append((f"decoder {name}: {len(reqs)} requests interleaved in {cap} rows == each alone (ids differing)",
                   float(sum(a != b for x, y in zip(alone, mixed) for a, b in zip(x, y))
                         + sum(len(x) != len(y) for x, y in zip(alone, mixed))), 0.0))

@@ -802,6 +802,40 @@ def samples_to_stdout(tok, generate_batch_fn, prompt, a, ctx):
     return [(k, t - t0) for k, t in arrivals]
 
 
+def decode_requests(dec, reqs):
+    """Requests (arrival step, prompt ids, ids wanted, Sampling, seed) through a decoder (serve.py's
+    interface: start or starts, step, free) as serve runs them: each joins at its arrival step (later while
+    every row is taken) in the lowest free row, those of a step started together (starts(), where the decoder
+    has it), and leaves once it has its ids; -> each one's ids. The schedule of the GPU self-test and of the
+    tests that hold a row to the same ids alone or among others."""
+    out, rows, t = [[] for _ in reqs], {}, 0                 # rows: row -> request
+    waiting = sorted(range(len(reqs)), key=lambda i: reqs[i][0])
+
+    def got(r, i, tok):
+        out[i].append(int(tok))
+        if len(out[i]) >= reqs[i][2]:
+            dec.free(r)
+            del rows[r]
+    while waiting or rows:
+        joining = []
+        while waiting and reqs[waiting[0]][0] <= t and len(rows) < dec.capacity:
+            i = waiting.pop(0)
+            r = min(set(range(dec.capacity)) - set(rows))
+            rows[r] = i
+            joining.append((r, i))
+        if joining:
+            items = [(r, *reqs[i][1:2], *reqs[i][3:]) for r, i in joining]
+            starts = getattr(dec, "starts", None)
+            for (r, i), tok in zip(joining, starts(items) if starts else [dec.start(*it) for it in items]):
+                got(r, i, tok)
+        if rows:
+            active = sorted(rows)
+            for r, tok in zip(active, dec.step(active)):
+                got(r, rows[r], tok)
+        t += 1
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # supervised fine-tuning: the Alpaca template of CONTRACT.md, loss on the response and the closing token only
 

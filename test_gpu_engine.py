@@ -422,7 +422,7 @@ def test_gpu_decoder_rows_are_their_requests_alone(name):
     assert (dec.capacity, dec.ctx, dec.buckets) == (19, P.cfg.ctx, [1, 2, 4, 8, 16, 19])
     cpu = [list(ne.generate(P, ids, n, sampling=smp, rng=np.random.default_rng(seed)))
            for _, ids, n, smp, seed in reqs]
-    want = [nc.decode_requests(dec, [(0, *q[1:])])[0] for q in reqs]       # each alone
+    want = [pl.decode_requests(dec, [(0, *q[1:])])[0] for q in reqs]       # each alone
     assert (dec.Pb is not None) == nc.PROFILE.bf16
     if dec.Pb is None:
         assert want == cpu
@@ -435,12 +435,12 @@ def test_gpu_decoder_rows_are_their_requests_alone(name):
                 assert np.all(gap <= DEC_GAP * (z.max(1) - z.min(1))), gap
     sizes, step = [], dec.step
     dec.step = lambda rows: (sizes.append(len(rows)), step(rows))[1]
-    assert nc.decode_requests(dec, reqs) == want
+    assert pl.decode_requests(dec, reqs) == want
     assert max(sizes) > nc.MATVEC_ROWS and len(set(sizes)) > 4, sizes     # two chunks; buckets of many sizes
     del dec.step
-    assert nc.decode_requests(dec, [(0, *q[1:]) for q in reqs[:4]]) == want[:4]     # four arriving at once
+    assert pl.decode_requests(dec, [(0, *q[1:]) for q in reqs[:4]]) == want[:4]     # four arriving at once
     eager = nc.Decoder(P, 4, graphs=False)
-    assert [nc.decode_requests(eager, [(0, *q[1:])])[0] for q in reqs[:3]] == want[:3]
+    assert [pl.decode_requests(eager, [(0, *q[1:])])[0] for q in reqs[:3]] == want[:3]
     assert dec.graphs and len(want) > dec.capacity
     # three rows, the middle one's cache poisoned after its start: it gets -1 at every step, the others
     # their ids; then it is freed and its row serves a new request right

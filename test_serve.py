@@ -359,28 +359,6 @@ def test_a_stop_string_frees_its_row_at_once(model):
 # continuous batching: the same text as alone, n choices, a full queue, a key, a row gone wrong
 
 
-def _decode(dec, requests):
-    """requests [(prompt, sampling, seed, tokens, arrival step)] through one decoder as serve runs them:
-    queued in arrival order, started in a free row (the lowest) when one is, freed after their tokens."""
-    out, waiting, active, step = {}, [], {}, 0
-    while len(out) < len(requests) or active:
-        waiting += [i for i, r in enumerate(requests) if r[4] == step]
-        free = [r for r in range(dec.capacity) if r not in active]
-        while waiting and free:
-            i, row = waiting.pop(0), free.pop(0)
-            prompt, sampling, seed = requests[i][:3]
-            out[i], active[row] = [dec.start(row, prompt, sampling, seed)], i
-        if active:
-            rows = sorted(active)
-            for row, t in zip(rows, dec.step(rows).tolist()):
-                out[active[row]].append(t)
-            for row in [r for r in rows if len(out[active[r]]) >= requests[active[r]][3]]:
-                dec.free(row)
-                del active[row]
-        step += 1
-    return [out[i][:r[3]] for i, r in enumerate(requests)]
-
-
 def test_decoder_rows_are_the_same_alone_or_interleaved(model):
     """Authority: issue 33, "the same text as alone": a request's ids with a given seed are identical alone
     and among others that arrive and leave at other times. Eight requests, greedy and sampled (top-k, top-p,
@@ -393,12 +371,12 @@ def test_decoder_rows_are_the_same_alone_or_interleaved(model):
     P.flat *= 4                                          # peaked distributions: a rounding slip would show
     rules = [pl.Sampling(0), pl.Sampling(1.0, 0), pl.Sampling(0.8, 40, 0.9), pl.Sampling(0, repetition_penalty=1.3),
              pl.Sampling(1.2, 20, repetition_penalty=1.2)]
-    requests = [([5 + i, 7, 11 * i % 50], rules[i % 5], 100 + i, 6 + 3 * i, (0, 0, 1, 2, 2, 4, 7, 7)[i])
-                for i in range(8)]
-    alone = [_decode(ne.Decoder(P, 1), [r[:4] + (0,)])[0] for r in requests]
-    assert _decode(ne.Decoder(P, 3), requests) == alone
-    assert _decode(ne.Decoder(P, 8), [r[:4] + (0,) for r in requests]) == alone      # all eight in one step
-    for (prompt, sampling, seed, n, _), ids in zip(requests, alone):
+    requests = [((0, 0, 1, 2, 2, 4, 7, 7)[i], [5 + i, 7, 11 * i % 50], 6 + 3 * i, rules[i % 5], 100 + i)
+                for i in range(8)]                       # (arrival step, prompt, ids wanted, rule, seed)
+    alone = [pl.decode_requests(ne.Decoder(P, 1), [(0, *r[1:])])[0] for r in requests]
+    assert pl.decode_requests(ne.Decoder(P, 3), requests) == alone
+    assert pl.decode_requests(ne.Decoder(P, 8), [(0, *r[1:]) for r in requests]) == alone   # all eight in one step
+    for (_, prompt, n, sampling, seed), ids in zip(requests, alone):
         assert list(ne.generate(P, prompt, n, rng=np.random.default_rng(seed), sampling=sampling)) == ids
     assert len({tuple(a) for a in alone}) == 8
 
