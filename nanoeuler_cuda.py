@@ -3014,6 +3014,15 @@ def bmm_ex(C, A, B, ta=False, tb=False, alpha=1.0, beta=0.0):
         raise RuntimeError(f"cublasGemmStridedBatchedEx failed with status {err}")
 
 
+def muon_scratch(cfg):
+    """(most, gram): the elements of Muon's largest group of same-shape block matrices (every layer's) and of
+    that group's Gram matrices, the largest: X and Xn take the first each, A and Bm the second."""
+    shapes = dict(pl.param_shapes(cfg))
+    sh = [tuple(shapes[f"layers.0.{w}"]) for w in pl.MUON_MATRICES]
+    L = cfg.n_layers
+    return max(sh.count(s) * L * s[0] * s[1] for s in sh), max(sh.count(s) * L * min(s) ** 2 for s in sh)
+
+
 class Muon(AdamW):
     """--optim muon on the device: AdamW's pass (its clip, moments and decay) on the embedding, norms and heads,
     then Muon on the blocks' matrices (the kernels above), their momentum in self.m at their places, as the CPU
@@ -3028,8 +3037,7 @@ class Muon(AdamW):
             base, _, shape = P.offsets[f"layers.0.{w}"]
             groups.setdefault(tuple(shape), []).append(base)
         self.groups = list(groups.items())
-        most = max(len(k) * L * r * c for (r, c), k in self.groups)
-        gram = max(len(k) * L * min(r, c) ** 2 for (r, c), k in self.groups)
+        most, gram = muon_scratch(P.cfg)
         # one set of scratch for the groups in turn (big, bf16: 2 x 50.3M + 2 x 18.9M elements, 0.28 GB)
         self.X, self.Xn, self.A, self.Bm = cp.empty(most, dt), cp.empty(most, dt), cp.empty(gram, dt), cp.empty(gram, dt)
         self.sums = cp.zeros(max(len(k) for _, k in self.groups) * L * MUON_PARTS, np.float64)
@@ -3241,11 +3249,8 @@ def memory_estimate(cfg, B, T, precision="bf16", attn="flash", accum=1, prof=Non
     n_par, bf = pl.num_params(cfg), precision == "bf16"
     attn = attention_for(attn, cfg, bf, prof=prof or PROFILE or EMULATE["h200"])
     weights = n_par * (4 * 4 + (2 if bf else 0) + (4 if accum > 1 else 0))   # P, G, m, v; bf16 copy; accum's G
-    if muon:                        # Muon.__init__'s X, Xn (its largest group) and A, Bm (its largest Gram batch)
-        sh = [tuple(dict(pl.param_shapes(cfg))[f"layers.0.{w}"]) for w in pl.MUON_MATRICES]
-        n = lambda r, c: sh.count((r, c)) * L
-        weights += 2 * (2 if bf else 4) * (max(n(r, c) * r * c for r, c in sh) + max(n(r, c) * min(r, c) ** 2
-                                                                                 for r, c in sh))
+    if muon:                        # Muon's X, Xn and A, Bm
+        weights += 2 * (2 if bf else 4) * sum(muon_scratch(cfg))
     rms = -(-N // (4 * max(1, min(16, -(-N // 4096))))) * D * 4                 # rms_part_rows(N) x D fp32
     if bf:
         chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
