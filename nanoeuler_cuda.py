@@ -4973,10 +4973,10 @@ def cmd_serve(argv):
     serve.add_serve_flags(p, ckpt=pl.run_ckpt("sft"), max_batch_help=f"default: the caches that {DECODER_MEMORY * 100:.0f}%% "
                           f"of the GPU's free memory holds, at most {DECODER_MAX}")
     a = p.parse_args(argv)
-    gpu()
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
 
-    def decoder(rows):
+    def decoder(rows):                   # (in serve's engine process: the GPU is first touched there)
+        gpu()
         try:
             return Decoder(P, rows)
         except cp.cuda.memory.OutOfMemoryError:

@@ -57,13 +57,14 @@ def serve_args(*flags):
     return p.parse_args([str(f) for f in flags])
 
 
-def start(model, kind="chat", decoder=None, *flags):
+def start(model, kind="chat", decoder=None, *flags, process=False):
     """An in-process server on a free port, built from the serve mode's own flags, over the CPU engine's
-    decoder (4 rows unless --max-batch says) or decoder(rows); -> the server."""
+    decoder (4 rows unless --max-batch says) or decoder(rows), its scheduler a thread or (process, as the
+    serve mode runs) in an engine process; -> the server."""
     P, tok, d = model
     a = serve_args("--ckpt", d / f"{kind}.npz", "--port", 0, *flags)
     factory = lambda rows: (decoder or (lambda rows: ne.Decoder(P, rows)))(rows or 4)
-    server = serve.make_server(a, tok, P.cfg, kind == "chat", factory, quiet=True)
+    server = serve.make_server(a, tok, P.cfg, kind == "chat", factory, quiet=True, process=process)
     threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
     return server
 
@@ -413,7 +414,8 @@ def test_a_row_at_the_context_end_is_refused_not_written_past_it():
         dec.step([0, 1])
 
 
-def test_a_row_whose_logits_go_nan_fails_alone(model):
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "engine-process"])
+def test_a_row_whose_logits_go_nan_fails_alone(model, process):
     """Authority: issue 33, "a NaN in one row's logits fails that request alone with a 500 and an error body,
     and the others finish"; the body in OpenAI's error shape (API reference, Error codes: 500, type
     server_error). The engine: a row whose cache holds NaN answers -1, its neighbours their ids as alone.
@@ -443,7 +445,7 @@ def test_a_row_whose_logits_go_nan_fails_alone(model):
                     ids[j] = -1 if self.poisoned[r] < 0 else ids[j]
             return ids
 
-    server = start(model, "chat", lambda rows: Poisoned(P, rows))
+    server = start(model, "chat", lambda rows: Poisoned(P, rows), process=process)
     try:
         body = lambda text, **kw: dict(messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, **kw)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -556,6 +558,60 @@ def test_a_full_queue_answers_429_with_retry_after(model):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
+    """The serve mode's engine process (make_server(process=True)), one row and one place in the queue: a
+    streams; b waits; c is refused 429; b leaves while queued (skipped, never started) and d takes its
+    place; a leaves mid-stream, so d gets the row and finishes; the log (the engine's lines relayed) says
+    refused (c), skipped, left, done. A decoder that fails to start is one UserError, the engine process gone."""
+    tok, log = model[1], tmp_path / "log.jsonl"
+
+    class Slow:                                          # one id forever, 20 ms a step
+        capacity, ctx = 1, CFG.ctx
+
+        def start(self, row, ids, sampling, seed):
+            return tok.encode(" word")[0]
+
+        def step(self, rows):
+            time.sleep(0.02)
+            return np.array([tok.encode(" word")[0]] * len(rows))
+
+        def free(self, row):
+            pass
+    server = start(model, "chat", lambda rows: Slow(), "--log", log, "--max-batch", 1, "--max-queue", 1,
+                   process=True)
+    port, engine = server.server_address[1], server.scheduler
+    try:
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=300, stream=True)
+        a = _raw(port, body)
+        got = b""
+        while got.count(b"data: ") < 3:                  # a runs
+            got += a.recv(4096)
+        b = _raw(port, body)
+        _wait(lambda: engine.waiting == 1)               # b waits
+        status, r, raw = post(server, "/v1/chat/completions", body)
+        assert status == 429 and r.getheader("Retry-After") == "1" and json.loads(raw)["error"]["code"] == \
+            "rate_limit_exceeded"
+        b.close()                                        # leaves while queued
+        _wait(lambda: engine.waiting == 0 and engine.skipped == 1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            d = pool.submit(post, server, "/v1/completions", {"prompt": "x", "max_tokens": 5})
+            _wait(lambda: engine.waiting == 1)           # d waits for a's row
+            a.close()                                    # leaves mid-stream: its row goes to d
+            status, _, raw = d.result(timeout=10)
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == tok.decode(tok.encode(" word")[:1] * 5)
+        _wait(lambda: len(log.read_text().splitlines()) == 4)
+        assert [json.loads(l)["event"] for l in log.read_text().splitlines()] == ["refused", "skipped", "left", "done"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not engine.proc.is_alive()
+
+    def broken(rows):
+        raise pl.UserError("no device here")
+    with pytest.raises(pl.UserError, match="no device here"):
+        start(model, "chat", broken, process=True)
 
 
 def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
@@ -727,7 +783,8 @@ SCRIPT = {                  # a prompt holding the key -> (the reply's text, clo
 @pytest.fixture(scope="module")
 def scripted(model):
     """A chat server whose engine draws the ids of the SCRIPT reply its prompt holds, then <|endoftext|> or
-    the reply again, never more than asked for."""
+    the reply again, never more than asked for; in an engine process, as the serve mode runs it (its ids,
+    ends and stop strings cross the relay)."""
     tok = model[1]
 
     class Scripted:
@@ -744,7 +801,7 @@ def scripted(model):
         def free(self, row):
             del self.streams[row]
 
-    server = start(model, "chat", lambda rows: Scripted())
+    server = start(model, "chat", lambda rows: Scripted(), process=True)
     yield server
     server.shutdown()
     server.server_close()
