@@ -141,11 +141,14 @@ def wave(port, n, tokens, words=len(WORDS)):
 
 
 def cpu_seconds(pid):
-    """The server process's CPU time so far (user + system, all threads), from /proc; None elsewhere."""
+    """The server's CPU time so far (user + system, all threads), its engine process's too, from /proc; None
+    elsewhere."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{pid}/task/{pid}/children") as f:              # (serve forks its engine process)
+            kids = [cpu_seconds(int(k)) for k in f.read().split()]
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(k or 0 for k in kids)
     except (OSError, ValueError, IndexError):
         return None
 
