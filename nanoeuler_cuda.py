@@ -4621,20 +4621,20 @@ def decoder_capacity(cfg, free=None):
 
 
 class Decoder(Sampler):
-    """Continuous batching (serve.py's decoder: start(s), step, free; one thread uses it): `capacity` rows,
-    each a request with its own prompt, position, sampling rule and random generator, decoded together a step
-    at a time. A row's ids depend on its own prompt, rule and seed alone, never on the other rows or on how
-    many there are. Row i's cache is stream i + 1 (stream 0: the scratch of padding rows). starts() packs the
-    prompts' rows in passes of _mp rows (prefill, at most the context; a CUDA graph) and draws each prompt's
-    first id after the pass that ends it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows
-    past them: stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both
-    take _forward_tc: every product on the tensor cores from bf16 weights, cuBLAS at a fixed number of rows
-    (DECODER_MAX a step, _mp a pass), each row's attention by attn_cached over its own slot, then
-    sample_tokens per row. On a GPU without bf16 every product is matvec's, every attention a lone row's, and
-    a prompt the Sampler's prefill as one stream, copied to the row's slot; a row's ids there equal the
-    Sampler's for its prompt. Each row takes one uniform number a step (its first id too), greedy or not,
-    the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n) gives n
-    calls' numbers; a call a row took ~0.2 ms a step at 64 rows). The host sends the rows' records and input
+    """Continuous batching (serve.py's decoder: start(s), step, free; one thread uses it): `capacity` rows, each a
+    request with its own prompt, position, sampling rule and random generator, decoded together a step at a time. A
+    row's ids depend on its own prompt, rule and seed alone, never on the other rows or on how many there are. Row
+    i's cache is stream i + 1 (stream 0: the scratch of padding rows). starts() packs the prompts' rows in passes of
+    _mp rows (prefill, at most the context; a CUDA graph) and draws each prompt's first id after the pass that ends
+    it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows past them:
+    stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both take _forward_tc:
+    every product on the tensor cores from bf16 weights, cuBLAS at a fixed number of rows (DECODER_MAX a step, _mp a
+    pass), each row's attention over its own slot (a step: attn_warps, which rotates and appends the row; a pass:
+    rope_store, then attn_cached), then sample_tokens per row. On a GPU without bf16 every product is matvec's,
+    every attention a lone row's, and a prompt the Sampler's prefill as one stream, copied to the row's slot; a
+    row's ids there equal the Sampler's for its prompt. Each row takes one uniform number a step (its first id too),
+    greedy or not, the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n)
+    gives n calls' numbers; a call a row took ~0.2 ms a step at 64 rows). The host sends the rows' records and input
     ids in one copy and reads their ids back in one, and launches the same rows' next step before it returns
     (step(): one ahead), so the device works while serve handles the ids."""
     _POS, _UNI = DEC_FIELDS.index("POS"), DEC_FIELDS.index("UNI")
