@@ -487,8 +487,8 @@ class Engine:
     def __init__(self, decoder_factory, rows, tok):
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, decoder_factory, rows, tok), daemon=True,
-                                name="engine")
+        self.proc = ctx.Process(target=_engine_main, args=(child, self.conn, decoder_factory, rows, tok),
+                                daemon=True, name="engine")
         self.proc.start()
         child.close()
         try:
@@ -579,9 +579,10 @@ class Engine:
 ENGINE_FIELDS = ("prompt", "max_new", "sampling", "seed", "path", "n", "ignore_eos")   # a Job as the engine needs it
 
 
-def _engine_main(conn, decoder_factory, rows, tok):
+def _engine_main(conn, server_end, decoder_factory, rows, tok):
     """The engine process: makes the decoder, then feeds a Scheduler what the server sends and reports each
-    turn's changes (Reports)."""
+    turn's changes (Reports); ends when the server closes the pipe or dies."""
+    server_end.close()                               # (else the server's death would never close the pipe here)
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # a Ctrl-C stops the server, which stops this
     try:
         decoder = decoder_factory(rows)

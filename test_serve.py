@@ -1024,6 +1024,21 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
     assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err
 
 
+def test_the_engine_process_ends_with_its_server(model):
+    """The serve mode's engine process (the decoder, and on a GPU its memory) ends when the server is killed
+    outright (no Ctrl-C, no cleanup): it reads the closed pipe, not a copy of the server's end."""
+    p, _, _ = _serve_process("nanoeuler.py", model[2] / "chat.npz")
+    try:
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            engine = [int(k) for k in f.read().split()]
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+    assert len(engine) == 1
+    _wait(lambda: not os.path.exists(f"/proc/{engine[0]}") or open(f"/proc/{engine[0]}/stat").read().split()[2] == "Z",
+          timeout=10)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the GPU engine behind the same server (skips without a GPU)
 
