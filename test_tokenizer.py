@@ -199,7 +199,7 @@ def test_encoding_keeps_the_gil():
         sys.setswitchinterval(60)
         time.sleep(0.001)                                # (its wait started under the old interval ends)
         seen = count[0]
-        for _ in range(50):
+        for _ in range(1000):                          # (many matches: a loaded machine may not run it at each)
             TOK.encode("Once upon a time, naïve café <|endoftext|> 東京 2024 " * 5, allowed_special="all")
         ran = count[0] - seen
     finally:
