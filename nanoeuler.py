@@ -495,6 +495,10 @@ def _thread_pool():
     return ThreadPoolExecutor(n_threads(), thread_name_prefix="nanoeuler")
 
 
+os.register_at_fork(after_in_child=_thread_pool.cache_clear)   # (a fork has none of the pool's threads: serve's
+                                                                # engine process would wait on them forever)
+
+
 def per_part(fn, n):
     """[fn(i, part) for each part i of range(n)] (slices, in order), one part per thread (n_threads()):
     the shards of rows of a batch, or the parts of a flat buffer."""

@@ -1024,6 +1024,25 @@ def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
     assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err
 
 
+def test_the_cpu_engine_runs_in_a_fork_of_a_process_that_used_its_threads():
+    """serve forks its engine process, in a test after other tests have run the CPU engine: the child must
+    get threads of its own (a fork has none of the pool's, and would wait on them forever)."""
+    for _ in range(3):
+        ne.per_part(lambda i, part: i, 8)
+    time.sleep(0.1)                                      # (every worker idle again)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if ne.per_part(lambda i, part: i, 8) == list(range(min(8, ne.n_threads()))) else 1)
+    t0 = time.time()
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.time() - t0 > 10:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child waited on its parent's threads")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_the_engine_process_ends_with_its_server(model):
     """The serve mode's engine process (the decoder, and on a GPU its memory) ends when the server is killed
     outright (no Ctrl-C, no cleanup): it reads the closed pipe, not a copy of the server's end."""
