@@ -101,6 +101,12 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def busy(waiting):
+    """The answer to a request beyond --max-queue: 429, and when to try again."""
+    return ApiError(429, f"the server is busy: {waiting} requests are waiting; try again shortly",
+                    code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
+
+
 def _reject_constant(name):                       # json.loads reads NaN and Infinity unless told not to
     raise ValueError(f"{name} is not JSON")
 
@@ -337,9 +343,7 @@ class Scheduler:
     def submit(self, job):
         with self.cond:
             if len(self.waiting) >= self.max_queue:
-                raise ApiError(429, f"the server is busy: {len(self.waiting)} requests are waiting; try again "
-                                    "shortly", code="rate_limit_exceeded", kind="rate_limit_error",
-                               headers={"Retry-After": "1"})
+                raise busy(len(self.waiting))
             self.waiting.append(job)
             self.cond.notify()
 
@@ -514,8 +518,7 @@ class Engine:
     def submit(self, job):
         with self.lock:
             if self.waiting >= self.max_queue:
-                raise ApiError(429, f"the server is busy: {self.waiting} requests are waiting; try again shortly",
-                               code="rate_limit_exceeded", kind="rate_limit_error", headers={"Retry-After": "1"})
+                raise busy(self.waiting)
             if not self.proc.is_alive():
                 raise ApiError(500, "the engine process has stopped; restart the server", kind="server_error")
             job.id, self.waiting = next(self.ids), self.waiting + 1
@@ -1030,10 +1033,10 @@ def loopback(host):
         return host == "localhost"
 
 
-def run(a, tok, cfg, chat, decoder_factory, engine, process=True):
+def run(a, tok, cfg, chat, decoder_factory, engine):
     """The serve mode: serves until Ctrl-C. decoder_factory(max_batch) -> the engine's Decoder (module
-    docstring) with max_batch rows (None: the engine's default), called in the engine process (process)."""
-    server = make_server(a, tok, cfg, chat, decoder_factory, process=process)
+    docstring) with max_batch rows (None: the engine's default), called in the engine process."""
+    server = make_server(a, tok, cfg, chat, decoder_factory, process=True)
     host, port = server.server_address[:2]
     r = server.requests
     print(f"serving {r.name} ({'chat: the SFT template' if chat else 'base: plain text'}, context {cfg.ctx}) on the "
