@@ -3938,8 +3938,9 @@ ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which take
 ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
 ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
                                       # at 116-500 keys)
-DECODER_CH = 64                       # keys a chunk of a Decoder row's attention: several blocks an SM (big,
-                                      # 64 rows: 1.32 -> 1.00 ms a step; a pass of 256 prompt rows needs it);
+DECODER_CH = 64                       # keys a chunk of a Decoder row's attn_cached: its prompt passes, and its
+                                      # steps without bf16 (with bf16 a step attends by attn_warps): several
+                                      # blocks an SM (big, 64 rows: 1.32 -> 1.00 ms a step when steps took it);
                                       # None: a lone decode step's (without bf16: the Sampler's bits)
 
 
@@ -6317,7 +6318,7 @@ def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=N
         DECODER_CH = keep
 
 
-BENCH_CH = None     # bench's other DECODER_CH: a lone row's chunk, one attention block an SM
+BENCH_CH = None     # bench's other DECODER_CH: a lone row's chunk (steps by attn_warps do not take it)
 
 
 def print_bench_decoder(a, cfg):
