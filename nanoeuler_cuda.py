@@ -6318,16 +6318,23 @@ def bench_decoder(P, prompt_len=70, rows=(1, 8, 32, 64), steps=100, reps=3, ch=N
         DECODER_CH = keep
 
 
-BENCH_CH = None     # bench's other DECODER_CH: a lone row's chunk (steps by attn_warps do not take it)
+BENCH_CH = None     # bench's other DECODER_CH without bf16 (a lone row's chunk); bf16 steps take attn_warps
 
 
 def print_bench_decoder(a, cfg):
     P = pl.load_checkpoint(a.ckpt)[0] if a.ckpt else pl.Params.init(cfg, seed=0)
     set_tf32(False)
     prompt_len, d = bench_decoder(P, ch=DECODER_CH)
+    head = (f"\nserve's batch (Decoder.step alone, no HTTP), {P.cfg.n_layers} layers, {prompt_len}-token prompts, "
+            "temperature 0.8 (best of 3)")
+    if PROFILE.bf16:                 # (a step's attention: attn_warps; DECODER_CH reaches the prompts' passes alone)
+        print(head + ":")
+        print(f"{'rows':>6}{'ms/step':>10}{'tokens/s':>12}")
+        for n, (ms, tps) in d.items():
+            print(f"{n:>6}{ms:10.3f}{tps:12,.0f}")
+        return {str(n): dict(ms=ms, tok_s=tps) for n, (ms, tps) in d.items()}
     _, d2 = bench_decoder(P, ch=BENCH_CH)
-    print(f"\nserve's batch (Decoder.step alone, no HTTP), {P.cfg.n_layers} layers, {prompt_len}-token prompts, "
-          f"temperature 0.8 (best of 3); attention's keys a chunk {DECODER_CH}, and {BENCH_CH or 'as one row alone'}:")
+    print(head + f"; attention's keys a chunk {DECODER_CH}, and {BENCH_CH or 'as one row alone'}:")
     print(f"{'rows':>6}{'ms/step':>10}{'tokens/s':>12}{'ms/step':>10}{'tokens/s':>12}")
     for n, (ms, tps) in d.items():
         print(f"{n:>6}{ms:10.3f}{tps:12,.0f}{d2[n][0]:10.3f}{d2[n][1]:12,.0f}")
