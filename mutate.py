@@ -146,7 +146,7 @@ MUTANTS = [
      [("np.partition(z, -self.top_k, axis=-1)[..., -self.top_k, None]",
        "np.partition(z, -self.top_k, axis=-1)[..., -self.top_k - 1, None]", 1)]),
     ("temperature 0 not greedy", "pipeline.py", [("if self.temperature <= 0:", "if self.temperature < 0:", 2)]),
-    ("the last id is never drawn", "pipeline.py", [("rng.random() * cdf[-1]", "rng.random() * cdf[-2]", 1)]),
+    ("the last id is never drawn", "pipeline.py", [("* cdf[:, -1]", "* cdf[:, -2]", 1)]),
     ("a batch's rows draw at the wrong sums", "pipeline.py", [("(cdf <= u[:, None])", "(cdf < u[:, None])", 1)]),
     ("generation ignores top-k", "nanoeuler.py",
      [("sampling = sampling or pl.Sampling(temperature, top_k)", "sampling = sampling or pl.Sampling(temperature, 0)", 1)]),

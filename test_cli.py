@@ -47,6 +47,14 @@ def test_no_sys_exit_below_main():
         assert not exits, f"{name}: sys.exit outside main() at lines {exits}"
 
 
+def test_every_mutant_still_applies():
+    """mutate.py's bugs are planted by text: each must still match the code as often as it says (a change that
+    moves the text leaves a mutant that stops `make mutation` before any test)."""
+    import mutate
+    for name, file, repl, *_ in mutate.MUTANTS:
+        mutate.mutated(str(ROOT), file, repl)
+
+
 def test_cpu_engine_without_numba_says_so_in_one_line():
     r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None; sys.argv = ['x', 'bench'];"
                         "import runpy; runpy.run_path('nanoeuler.py', run_name='__main__')"],
