@@ -51,7 +51,10 @@ a running one's rows are freed at the next step. The serve mode runs the schedul
 process of their own (Engine, forked at the start; requests and retirements go to it through a pipe, and
 a relay thread applies its reports to the jobs), so no step or prefill waits for the GIL that the
 connection threads share: on an H200, 32 / 64 clients of big got 16% / 25% more tokens/s than with the
-scheduler as a thread of the server's process (make_server's default, which the tests' fakes use).
+scheduler as a thread of the server's process (make_server's default, which the tests' fakes use). And it
+takes requests in --workers HTTP processes (this one and forks of it, on the one listening socket, each
+with a pipe of its own to the engine), so that a burst of requests is parsed and tokenized several at a
+time, not one after another under one GIL (~0.4 ms each: 64 at once took 23-39 ms).
 
 Sections: errors | requests | generation | HTTP | command line.
 """
@@ -63,6 +66,7 @@ import ipaddress
 import itertools
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import select
@@ -88,6 +92,7 @@ FLUSH = 0.02                # seconds at least between two writes of one stream:
                             # go out a few at a time, not one wake-up and one write per token each
 MAX_QUEUE = 256             # requests waiting for a row, by default; one more is answered 429
 KEY_ENV = "NANOEULER_API_KEY"   # the API key's environment variable (--api-key)
+WORKERS = 4                 # HTTP processes by default (--workers), fewer on fewer cores
 
 # ----------------------------------------------------------------------------------------------------
 # errors: each becomes an OpenAI-style JSON answer
@@ -331,7 +336,7 @@ class Scheduler:
     for the next turn; a stop string (found by the connection's thread, which decodes the text) or a client
     that has gone ends its rows at the next turn (retire); a row whose logits are not finite fails its job alone."""
 
-    def __init__(self, tok, decoder, log, max_queue, turn=None):
+    def __init__(self, tok, decoder, log, max_queue, turn=None):      # log(record, the job it is about)
         self.tok, self.decoder, self.log, self.max_queue, self.turn = tok, decoder, log, max_queue, turn
         self.waiting, self.active = collections.deque(), {}          # jobs in arrival order; row -> Choice
         self.retiring = []                                           # (job, None): its client left; (job, choice): a stop
@@ -366,7 +371,7 @@ class Scheduler:
                         self.waiting.remove(job)
                         job.gone = True
                         self.skipped += 1
-                        self.log(dict(event="skipped", path=job.path, note="the client left while it waited"))
+                        self.log(dict(event="skipped", path=job.path, note="the client left while it waited"), job)
                 starting = []
                 while self.waiting and self.waiting[0].n <= len(self.free):
                     job = self.waiting.popleft()
@@ -466,7 +471,7 @@ class Scheduler:
             if self.active.get(ch.row) is ch:
                 self.release(ch)
         self.log(dict(event=event, path=job.path, prompt_tokens=len(job.prompt),
-                      completion_tokens=sum(len(ch.ids) for ch in job.choices), note=note))
+                      completion_tokens=sum(len(ch.ids) for ch in job.choices), note=note), job)
 
     def fail(self, job, message):
         self.end(job, "failed", message)
@@ -480,21 +485,28 @@ class Scheduler:
 
 
 class Engine:
-    """The scheduler and the decoder in a process of their own (the serve mode's; make_server(process=True)):
-    the server's connection threads share one GIL, and a scheduler thread beside them queued for it after
-    every wait for the device (a starts() of 4 prompts: 9-14 ms inside serve against 1.5 alone, H200). The
-    server holds the Jobs; it sends the engine each job's fields and each retirement through a pipe, and a
-    relay thread applies what the engine sends back after each turn (new ids, ends, failures, log lines) to
-    them, so a connection's thread reads its job as with the scheduler beside it. Forked: the decoder is
-    made in the child (the parent must not have touched the GPU), by decoder_factory(rows)."""
+    """The scheduler and the decoder in a process of their own (the serve mode's; make_server(workers=W)),
+    fed by W HTTP worker processes: the connection threads of one process share one GIL, and a scheduler
+    thread beside them queued for it after every wait for the device (a starts() of 4 prompts: 9-14 ms inside
+    serve against 1.5 alone, H200); one process's threads parsed a burst of 64 requests one after another
+    (~0.4 ms each), W processes parse it W at a time. Each worker holds its Jobs; it sends the engine each
+    job's fields and each retirement through a pipe of its own, and its relay thread applies what the engine
+    sends back after each turn (new ids, ends, failures, log lines) to them, so a connection's thread reads
+    its job as with the scheduler beside it. --max-queue counts every worker's waiting requests (queued: a
+    worker adds its request, the engine takes it off when the request starts or is skipped). Forked: the
+    decoder is made in the child (the parent must not have touched the GPU), by decoder_factory(rows)."""
 
-    def __init__(self, decoder_factory, rows, tok):
+    def __init__(self, decoder_factory, rows, tok, workers=1, max_queue=MAX_QUEUE):
         ctx = multiprocessing.get_context("fork")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_main, args=(child, self.conn, decoder_factory, rows, tok),
-                                daemon=True, name="engine")
+        pipes = [ctx.Pipe() for _ in range(workers)]
+        self.conns = [ours for ours, _ in pipes]             # worker w's end of its pipe
+        self.conn = self.conns[0]                            # this process's (attach: worker w's)
+        self.queued = ctx.Value("i", 0)                      # requests waiting for a row, every worker's
+        self.proc = ctx.Process(target=_engine_main, args=([theirs for _, theirs in pipes], self.conns, decoder_factory,
+                                                           rows, tok, self.queued), daemon=True, name="engine")
         self.proc.start()
-        child.close()
+        for _, theirs in pipes:
+            theirs.close()
         try:
             kind, value = self.conn.recv()
         except EOFError:
@@ -502,35 +514,56 @@ class Engine:
         if kind == "error":
             self.proc.join(5)
             raise pl.UserError(value)
-        self.capacity, self.jobs, self.ids = value, {}, itertools.count()      # jobs: id -> Job, until done
-        self.lock, self.waiting, self.skipped, self.log = threading.Lock(), 0, 0, None   # waiting: not started
+        self.capacity, self.max_queue, self.jobs, self.ids = value, max_queue, {}, itertools.count()   # jobs: id ->
+        self.lock, self.stopped, self.skipped, self.workers, self.log = threading.Lock(), False, 0, [], None  # Job
 
-    def serve(self, log, max_queue):
-        """Starts relaying to the server (its log) -> self, the server's scheduler."""
-        self.log, self.max_queue = log, max_queue
+    @property
+    def waiting(self):
+        """Requests that wait for a row, every worker's."""
+        return self.queued.value
+
+    def serve(self, server):
+        """Forks the server's other HTTP workers, copies of this process before any thread of it starts (each
+        accepts on the one listening socket: a connection goes to the first that takes it), then relays to
+        this one, worker 0."""
+        self.log = server.log
+        server.socket.setblocking(False)                 # a worker that loses the race for a connection goes back
+        ctx = multiprocessing.get_context("fork")        # to its select(), not to wait in accept() for the next
+        self.workers = [ctx.Process(target=_worker_main, args=(server, w, os.getpid()), daemon=True, name=f"http-{w}")
+                        for w in range(1, len(self.conns))]
+        for p in self.workers:
+            p.start()
+        self.attach(0)
+
+    def attach(self, w):
+        """This process is worker w: its pipe (the others' ends are closed here, so that the engine reads the
+        end of each worker's pipe when that worker ends), its relay."""
+        self.conn = self.conns[w]
+        for c in self.conns:
+            if c is not self.conn:
+                c.close()
         threading.Thread(target=self.relay, name="relay", daemon=True).start()
-        return self
 
     def send(self, *msg):
         with self.lock:
-            self.conn.send(msg)
+            try:
+                self.conn.send(msg)
+            except OSError:                              # the engine has gone: the relay fails its jobs
+                pass
 
     def submit(self, job):
         with self.lock:
-            if self.waiting >= self.max_queue:
-                raise busy(self.waiting)
-            if not self.proc.is_alive():
+            if self.stopped:
                 raise ApiError(500, "the engine process has stopped; restart the server", kind="server_error")
-            job.id, self.waiting = next(self.ids), self.waiting + 1
+            with self.queued.get_lock():
+                if self.queued.value >= self.max_queue:
+                    raise busy(self.queued.value)
+                self.queued.value += 1
+            job.id = next(self.ids)
             self.jobs[job.id] = job
-            self.conn.send(("submit", job.id, {k: getattr(job, k) for k in ENGINE_FIELDS}))
+        self.send("submit", job.id, {k: getattr(job, k) for k in ENGINE_FIELDS})
 
     def retire(self, job, choice=None):
-        if choice is None:
-            with self.lock:
-                if not job.t0 and not job.gone:          # it never started: it waits no more
-                    self.waiting -= 1
-                job.gone = True
         self.send("retire", job.id, None if choice is None else choice.index)
 
     def relay(self):
@@ -544,10 +577,7 @@ class Engine:
                 job = self.jobs.get(jid)
                 if job is None:
                     continue
-                if t0 and not job.t0:
-                    with self.lock:
-                        self.waiting -= not job.gone
-                        job.t0 = t0
+                job.t0 = t0
                 for i, ids, end in chs:
                     ch = job.choices[i]
                     ch.ids.extend(ids)
@@ -565,15 +595,19 @@ class Engine:
             for record in logs:
                 self.skipped += record["event"] == "skipped"
                 self.log(record)
-        for job in list(self.jobs.values()):             # the engine has gone: its jobs fail
+        with self.lock:                                  # the engine has gone: its jobs fail, no more are taken
+            self.stopped = True
+        for job in list(self.jobs.values()):
             job.error = "generation failed: the engine process stopped"
             job.wake.set()
 
     def close(self):
-        try:
-            self.send("close")
-        except OSError:
-            pass
+        """(worker 0) Stops the other workers, then the engine process."""
+        for p in self.workers:
+            p.terminate()
+        for p in self.workers:
+            p.join(5)
+        self.send("close")
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
@@ -582,56 +616,86 @@ class Engine:
 ENGINE_FIELDS = ("prompt", "max_new", "sampling", "seed", "path", "n", "ignore_eos")   # a Job as the engine needs it
 
 
-def _engine_main(conn, server_end, decoder_factory, rows, tok):
-    """The engine process: makes the decoder, then feeds a Scheduler what the server sends and reports each
-    turn's changes (Reports); ends when the server closes the pipe or dies."""
-    server_end.close()                               # (else the server's death would never close the pipe here)
+def _worker_main(server, w, owner):
+    """HTTP worker w >= 1 (forked by Engine.serve): serves until worker 0 stops it, or ends when its parent
+    process (worker 0) has gone without a word (killed): no worker outlives the server."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # a Ctrl-C stops worker 0, which stops this
+    r = server.requests
+    r.seeds = np.random.Generator(r.seeds.bit_generator.jumped(w))    # seeds (of requests without one) and answer
+    server.ids, server.owner = itertools.count(1 + w * 10 ** 12), owner   # ids of its own, not a copy of worker 0's
+    server.scheduler.attach(w)
+    server.serve_forever(poll_interval=0.2)
+
+
+def _engine_main(conns, server_ends, decoder_factory, rows, tok, queued):
+    """The engine process: makes the decoder, then feeds a Scheduler what the workers send (a job's id here:
+    (its worker, its id there)) and reports each turn's changes (Reports). A worker that has gone (its pipe
+    closed) leaves its jobs, as their clients would; the engine ends when worker 0 says so or every worker
+    has gone."""
+    for c in server_ends:                            # (else a worker's death would never close its pipe here)
+        c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # a Ctrl-C stops the server, which stops this
     try:
         decoder = decoder_factory(rows)
     except Exception as e:
-        conn.send(("error", str(e) if isinstance(e, pl.UserError) else f"the decoder failed: {type(e).__name__}: {e}"))
+        conns[0].send(("error", str(e) if isinstance(e, pl.UserError) else
+                       f"the decoder failed: {type(e).__name__}: {e}"))
         return
-    conn.send(("ready", decoder.capacity))
-    reports = Reports(conn)
-    scheduler = Scheduler(tok, decoder, reports.log, float("inf"), turn=reports.send)   # (the server queues)
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg[0] == "submit":
-            job = Job(**msg[2], stop=[], id=msg[1])
-            reports.jobs[job.id] = (job, [0] * job.n)            # (before the scheduler may end it)
-            scheduler.submit(job)
-        elif msg[0] == "retire" and msg[1] in reports.jobs:
-            job = reports.jobs[msg[1]][0]
-            scheduler.retire(job, None if msg[2] is None else job.choices[msg[2]])
-        elif msg[0] == "close":
-            break
+    conns[0].send(("ready", decoder.capacity))
+    reports = Reports(conns, queued)
+    scheduler = Scheduler(tok, decoder, reports.log, float("inf"), turn=reports.send)   # (the workers queue)
+    live = list(conns)
+    while live:
+        for conn in multiprocessing.connection.wait(live):
+            w = conns.index(conn)
+            try:
+                msg = conn.recv()
+            except EOFError:
+                live.remove(conn)
+                for job, _ in [entry for key, entry in list(reports.jobs.items()) if key[0] == w]:
+                    scheduler.retire(job)
+                continue
+            if msg[0] == "submit":
+                job = Job(**msg[2], stop=[], id=(w, msg[1]))
+                reports.jobs[job.id] = [job, None]           # (before the scheduler may end it)
+                scheduler.submit(job)
+            elif msg[0] == "retire" and (w, msg[1]) in reports.jobs:
+                job = reports.jobs[w, msg[1]][0]
+                scheduler.retire(job, None if msg[2] is None else job.choices[msg[2]])
+            elif msg[0] == "close":
+                live.clear()
+                break
     scheduler.close()
     scheduler.thread.join(10)
 
 
 class Reports:
-    """The engine's side of the relay: after each scheduler turn, one message of what changed: for each job
-    with news (id, t0, [(choice, new ids, end)], error, done: no row left, or skipped) and the log lines. A
-    started job has news at once (its first ids, or its failure)."""
+    """The engine's side of the relays: after each scheduler turn, one message to each worker with news: for
+    each of its jobs with news (id, t0, [(choice, new ids, end)], error, done: no row left, or skipped) and
+    its log lines. A started job has news at once (its first ids, or its failure); one that stops waiting
+    (started or skipped) comes off the count of waiting requests."""
 
-    def __init__(self, conn):
-        self.conn, self.jobs, self.logs = conn, {}, []    # jobs: id -> (Job, ids sent per choice; -1: its end too)
+    def __init__(self, conns, queued):
+        self.conns, self.queued, self.jobs, self.logs = conns, queued, {}, []   # jobs: (worker, id) -> [Job, ids
+                                                         # sent per choice (-1: its end too), None while it waits]
+        self.left = 0                                    # waits ended, not yet taken off queued
 
-    def log(self, record):
-        self.logs.append(record)
+    def log(self, record, job):
+        self.logs.append((job.id[0], record))
 
     def send(self):
-        changes = []
-        for jid, (job, sent) in list(self.jobs.items()):
-            if not job.t0 and job.error is None:
-                if job.gone:                             # skipped while it waited
-                    changes.append((jid, 0.0, [], None, True))
-                    del self.jobs[jid]
-                continue
+        news = collections.defaultdict(lambda: ([], []))               # worker -> (changes, log lines)
+        for key, entry in list(self.jobs.items()):
+            job, sent = entry
+            if sent is None:
+                if not job.t0 and job.error is None:
+                    if job.gone:                         # skipped while it waited
+                        news[key[0]][0].append((key[1], 0.0, [], None, True))
+                        del self.jobs[key]
+                        self.left += 1
+                    continue
+                sent = entry[1] = [0] * job.n
+                self.left += 1
             chs = []
             for ch, k in zip(job.choices, sent):
                 if k >= 0 and (len(ch.ids) > k or ch.end):
@@ -639,12 +703,21 @@ class Reports:
                     sent[ch.index] = -1 if ch.end else len(ch.ids)
             done = job.error is not None or job.live == 0
             if chs or done:
-                changes.append((jid, job.t0, chs, job.error, done))
+                news[key[0]][0].append((key[1], job.t0, chs, job.error, done))
             if done:
-                del self.jobs[jid]
-        if changes or self.logs:
-            logs, self.logs = self.logs, []
-            self.conn.send((changes, logs))
+                del self.jobs[key]
+        if self.left and self.queued.get_lock().acquire(False):    # never waits: a worker's thread that holds
+            self.queued.value -= self.left                            # it may wait for its own process's GIL
+            self.left = 0
+            self.queued.get_lock().release()
+        for w, record in self.logs:
+            news[w][1].append(record)
+        self.logs = []
+        for w, msg in news.items():
+            try:
+                self.conns[w].send(msg)
+            except OSError:                              # its worker has gone (the loop retires its jobs)
+                pass
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -912,10 +985,15 @@ class Server(ThreadingHTTPServer):
         self.requests, self.page, self.quiet, self.log_path, self.api_key = requests, page, quiet, log_path, api_key
         self.started, self.ids, self.log_lock = int(time.time()), itertools.count(1), threading.Lock()
         super().__init__(address, Handler)
-        self.scheduler = decoder.serve(self.log, max_queue or MAX_QUEUE) if isinstance(decoder, Engine) else \
-            Scheduler(requests.tok, decoder, self.log, max_queue or MAX_QUEUE)
+        self.scheduler = decoder if isinstance(decoder, Engine) else \
+            Scheduler(requests.tok, decoder, lambda record, job: self.log(record), max_queue or MAX_QUEUE)
         self.connections, self.idle, self.threads = queue.SimpleQueue(), 0, 0   # accepted; threads waiting; all
-        self.pool_lock = threading.Lock()
+        self.pool_lock, self.owner = threading.Lock(), None      # owner: a forked worker's parent, worker 0
+
+    def service_actions(self):
+        """(every turn of serve_forever) A forked worker whose parent has gone ends: the server was killed."""
+        if self.owner and os.getppid() != self.owner:
+            os._exit(1)
 
     def process_request(self, request, client_address):
         """A connection goes to a thread that has finished its last one, or to a new thread when none waits
@@ -982,6 +1060,9 @@ def add_serve_flags(p, ckpt, max_batch_help):
                         "speculative decoding is not used")
     p.add_argument("--max-queue", dest="max_queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait for a row; one more is answered 429 (default {MAX_QUEUE})")
+    p.add_argument("--workers", type=int,
+                   help=f"HTTP processes that take the requests (parse, tokenize, stream) for the one engine "
+                        f"process (default {WORKERS}, or the CPU cores if fewer)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
                         "anyone who can reach the machine: give --api-key)")
@@ -993,16 +1074,17 @@ def add_serve_flags(p, ckpt, max_batch_help):
     p.add_argument("--log", help="append one JSON line per request to this file (default: none)")
 
 
-def make_server(a, tok, cfg, chat, decoder_factory, quiet=False, process=False):
+def make_server(a, tok, cfg, chat, decoder_factory, quiet=False, workers=0):
     """A Server on a.host:a.port, its scheduler started over decoder_factory(a.max_batch) (None: the
-    engine's default), in this process or (process) in an Engine; serve_forever() serves. Bad flags raise
+    engine's default), in this process (workers 0) or in an Engine fed by `workers` HTTP processes (this one
+    and workers - 1 forked: a.workers is the serve mode's); serve_forever() serves. Bad flags raise
     UserError."""
     pl.check_sampling(a)
     if not 0 <= a.port <= 65535:
         raise pl.UserError(f"--port {a.port}: give a port in 0..65535 (0: any free one)")
-    for flag, v in (("--max-batch", a.max_batch), ("--max-queue", a.max_queue)):
+    for flag, v in (("--max-batch", a.max_batch), ("--max-queue", a.max_queue), ("--workers", a.workers)):
         if v is not None and v < 1:
-            raise pl.UserError(f"{flag} {v}: give a whole number of requests, at least 1")
+            raise pl.UserError(f"{flag} {v}: give a whole number{' of requests' * (flag != '--workers')}, at least 1")
     if a.api_key is not None and not (a.api_key.isprintable() and a.api_key.strip() == a.api_key != ""):
         raise pl.UserError("--api-key: give a non-empty key of printable characters, without spaces at its ends")
     name = a.name or f"nanoeuler-{pl.config_name(cfg)}-{'chat' if chat else 'base'}"
@@ -1015,15 +1097,19 @@ def make_server(a, tok, cfg, chat, decoder_factory, quiet=False, process=False):
             raise pl.UserError(f"--log {a.log}: cannot write it ({e.strerror})") from None
     with open(PAGE, "rb") as f:
         page = f.read()
-    decoder = Engine(decoder_factory, a.max_batch, tok) if process else decoder_factory(a.max_batch)
+    decoder = Engine(decoder_factory, a.max_batch, tok, workers, a.max_queue) if workers else \
+        decoder_factory(a.max_batch)
     requests = Requests(tok, cfg.ctx, chat, name, defaults, a.seed, decoder.capacity, cfg.vocab)
     try:
-        return Server((a.host, a.port), requests, decoder, page, a.log, quiet, a.api_key, a.max_queue)
+        server = Server((a.host, a.port), requests, decoder, page, a.log, quiet, a.api_key, a.max_queue)
     except OSError as e:
-        if process:
+        if workers:
             decoder.close()
         why = "in use: give another with --port" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
         raise pl.UserError(f"cannot listen on {a.host}:{a.port} ({why})") from None
+    if workers:
+        decoder.serve(server)                         # (forks the other workers)
+    return server
 
 
 def loopback(host):
@@ -1036,11 +1122,12 @@ def loopback(host):
 def run(a, tok, cfg, chat, decoder_factory, engine):
     """The serve mode: serves until Ctrl-C. decoder_factory(max_batch) -> the engine's Decoder (module
     docstring) with max_batch rows (None: the engine's default), called in the engine process."""
-    server = make_server(a, tok, cfg, chat, decoder_factory, process=True)
+    workers = a.workers or min(WORKERS, os.cpu_count() or 1)
+    server = make_server(a, tok, cfg, chat, decoder_factory, workers=workers)
     host, port = server.server_address[:2]
     r = server.requests
     print(f"serving {r.name} ({'chat: the SFT template' if chat else 'base: plain text'}, context {cfg.ctx}) on the "
-          f"{engine} engine, {r.capacity} requests at once, at http://{host}:{port}/ (the chat page; the API "
+          f"{engine} engine, {r.capacity} requests at once, {workers} HTTP worker{'s' * (workers > 1)}, at http://{host}:{port}/ (the chat page; the API "
           f"under /v1{', locked by --api-key' if a.api_key else ''}); Ctrl-C stops", flush=True)
     if not a.api_key and not loopback(host):
         print(f"warning: {host} is reachable from other machines and the API has no key: anyone who reaches "

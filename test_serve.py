@@ -57,14 +57,14 @@ def serve_args(*flags):
     return p.parse_args([str(f) for f in flags])
 
 
-def start(model, kind="chat", decoder=None, *flags, process=False):
+def start(model, kind="chat", decoder=None, *flags, workers=0):
     """An in-process server on a free port, built from the serve mode's own flags, over the CPU engine's
-    decoder (4 rows unless --max-batch says) or decoder(rows), its scheduler a thread or (process, as the
-    serve mode runs) in an engine process; -> the server."""
+    decoder (4 rows unless --max-batch says) or decoder(rows), its scheduler a thread or (workers, as the
+    serve mode runs) in an engine process fed by that many HTTP processes; -> the server (worker 0)."""
     P, tok, d = model
     a = serve_args("--ckpt", d / f"{kind}.npz", "--port", 0, *flags)
     factory = lambda rows: (decoder or (lambda rows: ne.Decoder(P, rows)))(rows or 4)
-    server = serve.make_server(a, tok, P.cfg, kind == "chat", factory, quiet=True, process=process)
+    server = serve.make_server(a, tok, P.cfg, kind == "chat", factory, quiet=True, workers=workers)
     threading.Thread(target=server.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
     return server
 
@@ -414,8 +414,8 @@ def test_a_row_at_the_context_end_is_refused_not_written_past_it():
         dec.step([0, 1])
 
 
-@pytest.mark.parametrize("process", [False, True], ids=["thread", "engine-process"])
-def test_a_row_whose_logits_go_nan_fails_alone(model, process):
+@pytest.mark.parametrize("workers", [0, 1], ids=["thread", "engine-process"])
+def test_a_row_whose_logits_go_nan_fails_alone(model, workers):
     """Authority: issue 33, "a NaN in one row's logits fails that request alone with a 500 and an error body,
     and the others finish"; the body in OpenAI's error shape (API reference, Error codes: 500, type
     server_error). The engine: a row whose cache holds NaN answers -1, its neighbours their ids as alone.
@@ -445,7 +445,7 @@ def test_a_row_whose_logits_go_nan_fails_alone(model, process):
                     ids[j] = -1 if self.poisoned[r] < 0 else ids[j]
             return ids
 
-    server = start(model, "chat", lambda rows: Poisoned(P, rows), process=process)
+    server = start(model, "chat", lambda rows: Poisoned(P, rows), workers=workers)
     try:
         body = lambda text, **kw: dict(messages=[{"role": "user", "content": text}], max_tokens=12, temperature=0, **kw)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -561,7 +561,7 @@ def test_a_full_queue_answers_429_with_retry_after(model):
 
 
 def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
-    """The serve mode's engine process (make_server(process=True)), one row and one place in the queue: a
+    """The serve mode's engine process (make_server(workers=1)), one row and one place in the queue: a
     streams; b waits; c is refused 429; b leaves while queued (skipped, never started) and d takes its
     place; a leaves mid-stream, so d gets the row and finishes; the log (the engine's lines relayed) says
     refused (c), skipped, left, done. A decoder that fails to start is one UserError, the engine process gone."""
@@ -580,7 +580,7 @@ def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
         def free(self, row):
             pass
     server = start(model, "chat", lambda rows: Slow(), "--log", log, "--max-batch", 1, "--max-queue", 1,
-                   process=True)
+                   workers=1)
     port, engine = server.server_address[1], server.scheduler
     try:
         body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=300, stream=True)
@@ -611,7 +611,7 @@ def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
     def broken(rows):
         raise pl.UserError("no device here")
     with pytest.raises(pl.UserError, match="no device here"):
-        start(model, "chat", broken, process=True)
+        start(model, "chat", broken, workers=1)
 
 
 def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
@@ -801,7 +801,7 @@ def scripted(model):
         def free(self, row):
             del self.streams[row]
 
-    server = start(model, "chat", lambda rows: Scripted(), process=True)
+    server = start(model, "chat", lambda rows: Scripted(), workers=1)
     yield server
     server.shutdown()
     server.server_close()
@@ -1011,17 +1011,30 @@ def _stop(p):
     return p.returncode, out, err
 
 
+def _children(pid):
+    """A process's children, oldest first (the serve mode's: its engine process, then its other workers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    return sorted(kids, key=lambda k: (int(open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[19]), k))
+
+
+def _gone(pid):
+    return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
-    p, host, port = _serve_process("nanoeuler.py", model[2] / "chat.npz", "--temperature", "0")
+    """And its engine process and other HTTP workers end with it."""
+    p, host, port = _serve_process("nanoeuler.py", model[2] / "chat.npz", "--temperature", "0", "--workers", "2")
+    kids = _children(p.pid)
     try:
-        assert host == "127.0.0.1"
+        assert host == "127.0.0.1" and len(kids) == 2
         conn = http.client.HTTPConnection(host, port, timeout=10)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "It was", "max_tokens": 5}))
         r = json.loads(conn.getresponse().read())
         assert r["choices"][0]["text"] == engine_text(model, model[1].encode("It was"), 5)[0]   # --temperature 0
     finally:
         rc, out, err = _stop(p)
-    assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err
+    assert rc == 130 and "[stopped]" in out and "done /v1/completions" in err and all(map(_gone, kids))
 
 
 def test_the_cpu_engine_runs_in_a_fork_of_a_process_that_used_its_threads():
@@ -1043,19 +1056,40 @@ def test_the_cpu_engine_runs_in_a_fork_of_a_process_that_used_its_threads():
     assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
-def test_the_engine_process_ends_with_its_server(model):
-    """The serve mode's engine process (the decoder, and on a GPU its memory) ends when the server is killed
-    outright (no Ctrl-C, no cleanup): it reads the closed pipe, not a copy of the server's end."""
-    p, _, _ = _serve_process("nanoeuler.py", model[2] / "chat.npz")
+def test_no_process_of_the_server_outlives_it(model):
+    """The serve mode's engine process (the decoder, and on a GPU its memory) and its other HTTP workers end
+    when the server (worker 0) is killed outright (no Ctrl-C, no cleanup): the engine reads each worker's
+    closed pipe, not a copy of its end; a worker sees its parent gone. A worker killed alone leaves its
+    requests and the others serve on; an engine killed fails the requests (500), the workers stay theirs."""
+    ckpt, body = model[2] / "chat.npz", json.dumps({"prompt": "It was", "max_tokens": 3})
+
+    def status(port):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("POST", "/v1/completions", body)
+        return conn.getresponse().status
+
+    p, _, port = _serve_process("nanoeuler.py", ckpt, "--workers", "3")
     try:
-        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
-            engine = [int(k) for k in f.read().split()]
+        engine, *workers = _children(p.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        _wait(lambda: _gone(workers[0]))
+        assert [status(port) for _ in range(6)] == [200] * 6
     finally:
         p.kill()
         p.communicate(timeout=10)
-    assert len(engine) == 1
-    _wait(lambda: not os.path.exists(f"/proc/{engine[0]}") or open(f"/proc/{engine[0]}/stat").read().split()[2] == "Z",
-          timeout=10)
+    _wait(lambda: _gone(engine) and _gone(workers[1]), timeout=10)
+
+    p, _, port = _serve_process("nanoeuler.py", ckpt, "--workers", "2")
+    try:
+        engine, worker = _children(p.pid)
+        os.kill(engine, signal.SIGKILL)
+        _wait(lambda: _gone(engine))
+        assert [status(port) for _ in range(6)] == [500] * 6
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+    _wait(lambda: _gone(worker), timeout=10)
 
 
 # ----------------------------------------------------------------------------------------------------
