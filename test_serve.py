@@ -614,6 +614,82 @@ def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
         start(model, "chat", broken, workers=1)
 
 
+class Slow:
+    """A decoder of one row that draws " word" forever, 20 ms a step."""
+    capacity, ctx = 1, CFG.ctx
+
+    def __init__(self, tok):
+        self.id = tok.encode(" word")[0]
+
+    def start(self, row, ids, sampling, seed):
+        return self.id
+
+    def step(self, rows):
+        time.sleep(0.02)
+        return np.array([self.id] * len(rows))
+
+    def free(self, row):
+        pass
+
+
+def test_max_queue_counts_every_workers_requests(model):
+    """Three HTTP workers, one row, two places in the queue: a runs, b and c wait (on whichever workers took
+    them), and every request beyond is refused 429 whichever worker takes it; b and c leave while queued and
+    their places are free again (the engine takes them off the count)."""
+    server = start(model, "chat", lambda rows: Slow(model[1]), "--max-batch", 1, "--max-queue", 2, workers=3)
+    port, engine = server.server_address[1], server.scheduler
+    try:
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=300, stream=True)
+        a = _raw(port, body)
+        got = b""
+        while got.count(b"data: ") < 3:                  # a runs
+            got += a.recv(4096)
+        waiting = [_raw(port, body) for _ in range(2)]
+        _wait(lambda: engine.waiting == 2)
+        for _ in range(8):
+            status, r, raw = post(server, "/v1/chat/completions", body)
+            assert status == 429 and r.getheader("Retry-After") == "1", raw
+        for s in waiting:
+            s.close()
+        _wait(lambda: engine.waiting == 0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            d = pool.submit(post, server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+            _wait(lambda: engine.waiting == 1)
+            a.close()
+            assert d.result(timeout=10)[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not engine.proc.is_alive() and not any(w.is_alive() for w in engine.workers)
+
+
+def test_each_worker_gets_its_own_requests_reports(model, chat_server):
+    """Three HTTP workers busy at once over one engine: 24 requests (seeds 0..23, streamed or not), each
+    answer the one the same request gets alone from a one-process server, answered by more than one worker
+    (an answer's id says whose: worker w counts from w * 10**12)."""
+    server = start(model, "chat", None, "--max-batch", 8, workers=3)
+
+    def one(srv, i):
+        body = dict(prompt=f"It was {i}", max_tokens=8, temperature=1.0, seed=i, stream=i % 2 == 1)
+        status, _, raw = post(srv, "/v1/completions", body)
+        assert status == 200, raw
+        if body["stream"]:
+            chunks = sse_chunks(raw)
+            return "".join(c["choices"][0]["text"] for c in chunks), chunks[0]["id"]
+        r = json.loads(raw)
+        return r["choices"][0]["text"], r["id"]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(lambda i: one(server, i), range(24)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    alone = [one(chat_server, i)[0] for i in range(24)]
+    assert [text for text, _ in together] == alone and len(set(alone)) > 16
+    assert len({int(ident.rsplit("-", 1)[1]) // 10 ** 12 for _, ident in together}) > 1
+
+
 def test_api_key_locks_the_api_not_the_page(model, monkeypatch):
     """Authority: OpenAI's API reference, Authentication: `Authorization: Bearer KEY` on every request; its
     error codes guide: 401 "Invalid Authentication" / "Incorrect API key provided", in the error object
