@@ -267,6 +267,14 @@ def _raw(port, body, path="/v1/chat/completions"):
     return s
 
 
+def _streaming(port, body):
+    """_raw's request once its stream has begun (three events read): it holds a row."""
+    s, got = _raw(port, body), b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    return s
+
+
 def _wait(cond, timeout=5.0):
     t0 = time.time()
     while not cond():
@@ -566,28 +574,12 @@ def test_the_engine_process_queues_refuses_and_frees_rows(model, tmp_path):
     place; a leaves mid-stream, so d gets the row and finishes; the log (the engine's lines relayed) says
     refused (c), skipped, left, done. A decoder that fails to start is one UserError, the engine process gone."""
     tok, log = model[1], tmp_path / "log.jsonl"
-
-    class Slow:                                          # one id forever, 20 ms a step
-        capacity, ctx = 1, CFG.ctx
-
-        def start(self, row, ids, sampling, seed):
-            return tok.encode(" word")[0]
-
-        def step(self, rows):
-            time.sleep(0.02)
-            return np.array([tok.encode(" word")[0]] * len(rows))
-
-        def free(self, row):
-            pass
-    server = start(model, "chat", lambda rows: Slow(), "--log", log, "--max-batch", 1, "--max-queue", 1,
+    server = start(model, "chat", lambda rows: Slow(tok), "--log", log, "--max-batch", 1, "--max-queue", 1,
                    workers=1)
     port, engine = server.server_address[1], server.scheduler
     try:
         body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=300, stream=True)
-        a = _raw(port, body)
-        got = b""
-        while got.count(b"data: ") < 3:                  # a runs
-            got += a.recv(4096)
+        a = _streaming(port, body)                       # a runs
         b = _raw(port, body)
         _wait(lambda: engine.waiting == 1)               # b waits
         status, r, raw = post(server, "/v1/chat/completions", body)
@@ -640,10 +632,7 @@ def test_max_queue_counts_every_workers_requests(model):
     port, engine = server.server_address[1], server.scheduler
     try:
         body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=300, stream=True)
-        a = _raw(port, body)
-        got = b""
-        while got.count(b"data: ") < 3:                  # a runs
-            got += a.recv(4096)
+        a = _streaming(port, body)                       # a runs
         waiting = [_raw(port, body) for _ in range(2)]
         _wait(lambda: engine.waiting == 2)
         for _ in range(8):
