@@ -1129,7 +1129,8 @@ def run(a, tok, cfg, chat, decoder_factory, engine):
     host, port = server.server_address[:2]
     r = server.requests
     print(f"serving {r.name} ({'chat: the SFT template' if chat else 'base: plain text'}, context {cfg.ctx}) on the "
-          f"{engine} engine, {r.capacity} requests at once, {workers} HTTP worker{'s' * (workers > 1)}, at http://{host}:{port}/ (the chat page; the API "
+          f"{engine} engine, {r.capacity} requests at once, {workers} HTTP worker{'s' * (workers > 1)}, at "
+          f"http://{host}:{port}/ (the chat page; the API "
           f"under /v1{', locked by --api-key' if a.api_key else ''}); Ctrl-C stops", flush=True)
     if not a.api_key and not loopback(host):
         print(f"warning: {host} is reachable from other machines and the API has no key: anyone who reaches "
