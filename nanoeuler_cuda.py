@@ -4663,13 +4663,17 @@ class Decoder(Sampler):
         nr = DEC_REC * capacity          # one device buffer [records | state], so a step's inputs go up in one
         self._dev = cp.zeros(nr + len(self.state), np.int32)      # copy (before any capture: graphs keep addresses)
         self.rec, self.state = self._dev[:nr], self._dev[nr:]
-        self._up = _pinned(nr + 2 + capacity)                     # its host side
+        self._up = [_pinned(nr + 2 + capacity) for _ in range(2)]   # its host side, and each step's ids:
+        self._ids_h = [_pinned(capacity) for _ in range(2)]           # two, one for each step in flight
+        self._flip = 0                                                # the pair that the next launch takes
         self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (its uniform: set each step)
         self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
         self._last = np.zeros(capacity, np.int32)                 # each row's last id: its next input
         self._uni = np.zeros((capacity, self.ctx + 1), np.float32)    # each row's uniform numbers,
         self._drawn = np.zeros(capacity, np.intp)                     # and how many it has taken
-        self._ahead, self._valid = None, set()      # the step launched ahead: (rows, event[, ids]); rows still theirs
+        self._ahead, self._valid = None, set()      # the step launched ahead: (rows, event or None once waited
+                                                    # for, its ids' pinned buffer or their copy); rows still theirs
+        self._chain = False                         # whether the device's input ids are the step ahead's output
         for B in self.buckets:           # every bucket's graph now (padding rows alone), not at a request's step
             with self._on_stream():
                 self._upload(np.zeros(0, np.intp), B)
@@ -4687,16 +4691,18 @@ class Decoder(Sampler):
         f[at("TEMP")], f[at("TOPP")], f[at("PEN")] = sampling.temperature, sampling.top_p, sampling.repetition_penalty
         return r
 
-    def _upload(self, rows, B):
+    def _upload(self, rows, B, chained=False):
         """The records of rows (an int array), each with its row's next uniform number, then self._pad up to
-        B, and state = [0, 0, their last ids, 0 ..]: to the device in one copy."""
-        n, nr = len(rows), self.rec.size
-        recs, st = self._up[:nr].reshape(self.capacity, DEC_REC), self._up[nr:]
+        B, and state = [0, 0, their last ids, 0 ..]: to the device in one copy. chained: the input ids are
+        left as the step before wrote them (the same rows in the same order)."""
+        n, nr, up = len(rows), self.rec.size, self._up[self._flip]
+        recs, st = up[:nr].reshape(self.capacity, DEC_REC), up[nr:]
         recs[:n] = self._rows[rows]
         recs[:n, self._UNI] = self._uni[rows, self._drawn[rows]].view(np.int32)
         recs[n:B] = self._pad
         st[:2], st[2:2 + n], st[2 + n:2 + B] = 0, self._last[rows], 0
-        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr, self._up.ctypes.data, (nr + 2 + B) * 4, 1, self.stream.ptr)
+        size = nr + 2 + (0 if chained else B)
+        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr, up.ctypes.data, size * 4, 1, self.stream.ptr)
 
     def _sample(self, logits):
         sample_tokens(logits, self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec)
@@ -4796,6 +4802,7 @@ class Decoder(Sampler):
         self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
         self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
         self._valid.discard(row)
+        self._chain = False              # (a start writes the device's records and input ids)
 
     def start(self, row, ids, sampling, seed):
         """Prefills row `row` (free) with the prompt ids, resets its seen ids to them and its generator to
@@ -4821,49 +4828,70 @@ class Decoder(Sampler):
         """One decode step of the active rows (ascending ints), each fed the id it gave last -> their next
         ids (an int array; -1 for a row whose logits are not all finite). The ids of the rows that the step
         launched ahead holds are that step's (waited for), the other rows' a step of their own; then the
-        next step of these rows is launched ahead, and runs while the caller handles their ids."""
+        next step of these rows is launched ahead, and runs while the caller handles their ids. Where the
+        rows are the step ahead's and none started or ended since (most steps), that next step is queued
+        before the step ahead is waited for, fed the ids it leaves on the device: the device never waits
+        for the host between them."""
         rows = np.asarray(rows, np.intp)
         n = len(rows)
         assert 0 < n and self._rows[rows, self._POS].max() < self.ctx, "a row past the context"
+        ahead = self._ahead
+        if (self._chain and ahead is not None and len(ahead[0]) == n and (ahead[0] == rows).all()
+                and len(self._valid) == n):
+            self._next(rows, chained=True)
+            ids = self._wait(ahead)[2]
+            self._last[rows] = np.maximum(ids, 0)
+            return ids
         ids, have = np.zeros(n, np.int32), np.zeros(n, bool)
-        if self._ahead is not None:
-            ahead, got = self._ahead[0], self._settle()
-            if len(ahead) == n and (ahead == rows).all() and len(self._valid) == n:
-                ids[:], have[:] = got, True                      # (every step but where rows come and go)
+        if ahead is not None:
+            got = self._settle()
+            if len(ahead[0]) == n and (ahead[0] == rows).all() and len(self._valid) == n:
+                ids[:], have[:] = got, True
             else:
-                at = {int(r): i for i, r in enumerate(ahead) if int(r) in self._valid}
+                at = {int(r): i for i, r in enumerate(ahead[0]) if int(r) in self._valid}
                 for k, r in enumerate(rows.tolist()):
                     if r in at:
                         ids[k], have[k] = got[at[r]], True
         if not have.all():
             need = rows[~have]
-            self._launch(need)[1].synchronize()
-            ids[~have] = self._tokens_h[:len(need)]
-        self._rows[rows, self._POS] += 1
-        self._drawn[rows] += 1
+            ids[~have] = self._wait(self._launch(need))[2]
         self._last[rows] = np.maximum(ids, 0)
-        self._ahead, self._valid = None, set()
-        if self._rows[rows, self._POS].max() < self.ctx:
-            self._ahead, self._valid = self._launch(rows), set(rows.tolist())
+        self._next(rows)
         return ids
 
-    def _launch(self, rows):
-        """Queues a step of rows from their host state -> (rows, an event that completes once its ids are
-        in the pinned buffer)."""
+    def _next(self, rows, chained=False):
+        """The rows' host state one step on, and their next step launched ahead (while within the context)."""
+        self._rows[rows, self._POS] += 1
+        self._drawn[rows] += 1
+        self._ahead, self._valid, self._chain = None, set(), False
+        if self._rows[rows, self._POS].max() < self.ctx:
+            self._ahead, self._valid, self._chain = self._launch(rows, chained), set(rows.tolist()), True
+
+    def _launch(self, rows, chained=False):
+        """Queues a step of rows from their host state (chained: their input ids the last step's on the
+        device) -> (rows, an event that completes once its ids are in its pinned buffer, that buffer)."""
         B = next(b for b in self.buckets if b >= len(rows))
         with self._on_stream():
-            self._upload(rows, B)
+            self._upload(rows, B, chained)
             self._step(B)
-            return rows.copy(), self._copy_back((self.tokens, self._tokens_h, len(rows)))
+            ids_h = self._ids_h[self._flip]
+            self._flip ^= 1
+            return rows.copy(), self._copy_back((self.tokens, ids_h, len(rows))), ids_h
+
+    @staticmethod
+    def _wait(launched):
+        """Waits for a launched step -> (rows, None, a copy of its ids)."""
+        rows, ev, ids = launched
+        if ev is not None:
+            ev.synchronize()
+            ids = ids[:len(rows)].copy()
+        return rows, None, ids
 
     def _settle(self):
-        """Waits for the step launched ahead, if any -> its rows' ids (kept: start() reuses the buffer)."""
+        """Waits for the step launched ahead, if any -> its rows' ids (kept: start() reuses the buffers)."""
         if self._ahead is None:
             return None
-        if len(self._ahead) == 2:
-            rows, ev = self._ahead
-            ev.synchronize()
-            self._ahead = (rows, ev, self._tokens_h[:len(rows)].copy())
+        self._ahead = self._wait(self._ahead)
         return self._ahead[2]
 
     def free(self, row):
