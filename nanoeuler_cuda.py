@@ -3938,10 +3938,10 @@ ATTN_WARPS_HD = (32, 64, 128)         # head dims of attn_warps_body, which take
 ATTN_WARPS_GQ = (1, 2, 3, 4)          # and query heads a kv head (every config's)
 ATTN_WARPS = (4, 4)                   # its warps a block and steps a round (8 warps of 2 steps, 4 of 2: slower
                                       # at 116-500 keys)
-DECODER_CH = 64                       # keys a chunk of a Decoder row's attn_cached: its prompt passes, and its
-                                      # steps without bf16 (with bf16 a step attends by attn_warps): several
-                                      # blocks an SM (big, 64 rows: 1.32 -> 1.00 ms a step when steps took it);
-                                      # None: a lone decode step's (without bf16: the Sampler's bits)
+DECODER_CH = 64                       # keys a chunk of a Decoder row's attn_cached: its steps and prompt
+                                      # passes without bf16 (with bf16 both attend by attn_warps where
+                                      # warps_fit): several blocks an SM (big, 64 rows: 1.32 -> 1.00 ms a step
+                                      # when steps took it); None: a lone decode step's (the Sampler's bits)
 
 
 def attn_cached_name(hd, bf16, rec=False):
@@ -4002,19 +4002,21 @@ def attn_chunk(hd, R, prof=None, ch=None):
 def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None, pdl=True):
     """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
     rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
-    here. rec (a Decoder step, a row per record): each row over its own slot and position, as one row alone
-    (with rope: by attn_warps, where warps_fit); pdl=False where the rows' earlier keys are this pass's (a
-    Decoder's prompts: see launch)."""
+    here. rec (a Decoder's rows, a row per record): each row over its own slot and position, as one row alone;
+    by attn_warps with rope or a bf16 output (the tensor-core path's steps and prompt passes, where warps_fit:
+    starts() of 32 prompts of big 8.0 -> 6.5 ms against attn_cached_body's chunks); pdl=False where the rows'
+    earlier keys are this pass's (a Decoder's prompts: see launch)."""
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
     assert rec is None or rows == 1
-    if (rec is None and attn_warps(R, Hq, Hkv, hd)) or (rec is not None and rope is not None):
+    if rec is None and attn_warps(R, Hq, Hkv, hd) or rec is not None and (
+            rope is not None or out.dtype == BF and warps_fit(Hq, Hkv, hd)):
         assert (rope is None or rows == 1) and warps_fit(Hq, Hkv, hd)       # many blocks that share the SMs
         cos, sin = rope or (NULL, NULL)
         k = _k(attn_warps_name(hd, Hq // Hkv, out.dtype == BF))
         return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
                       (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)),
-                       NULL if rec is None else rec))
+                       NULL if rec is None else rec), pdl=pdl)
     assert rope is None
     # keys a chunk: a few blocks (a Decoder's rows: DECODER_CH), or many that share
     # the SMs; either fitted to the device
@@ -4631,7 +4633,7 @@ class Decoder(Sampler):
     stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both take _forward_tc:
     every product on the tensor cores from bf16 weights, cuBLAS at a fixed number of rows (DECODER_MAX a step, _mp a
     pass), each row's attention over its own slot (a step: attn_warps, which rotates and appends the row; a pass:
-    rope_store, then attn_cached), then sample_tokens per row. On a GPU without bf16 every product is matvec's,
+    rope_store, then attn_warps), then sample_tokens per row. On a GPU without bf16 every product is matvec's,
     every attention a lone row's, and a prompt the Sampler's prefill as one stream, copied to the row's slot; a
     row's ids there equal the Sampler's for its prompt. Each row takes one uniform number a step (its first id too),
     greedy or not, the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n)
@@ -6355,7 +6357,7 @@ def print_bench_decoder(a, cfg):
     prompt_len, d = bench_decoder(P, ch=DECODER_CH)
     head = (f"\nserve's batch (Decoder.step alone, no HTTP), {P.cfg.n_layers} layers, {prompt_len}-token prompts, "
             "temperature 0.8 (best of 3)")
-    if PROFILE.bf16:                 # (a step's attention: attn_warps; DECODER_CH reaches the prompts' passes alone)
+    if PROFILE.bf16:                 # (steps and passes attend by attn_warps: DECODER_CH changes nothing)
         print(head + ":")
         print(f"{'rows':>6}{'ms/step':>10}{'tokens/s':>12}")
         for n, (ms, tps) in d.items():
