@@ -4068,11 +4068,31 @@ __device__ float kth_largest(const float* sv, int V, int k) {
             if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {                           // from the top digit down, to the one holding the k-th
-            int d = 255;
-            while (hist[d] < k) k -= hist[d--];
-            found[0] = d;
-            found[1] = k;
+        if (threadIdx.x < 32) {                           // from the top digit down, to the one holding the k-th:
+            const int lane = threadIdx.x;                 // lane l takes digits 255 - 8l .. 248 - 8l, the counts
+            int c[8], loc = 0;                            // above its own by a scan over the lanes
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                c[i] = hist[255 - 8 * lane - i];
+                loc += c[i];
+            }
+            int above = loc;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int u = __shfl_up_sync(0xffffffffu, above, o);
+                if (lane >= o) above += u;
+            }
+            above -= loc;
+            if (above < k && k <= above + loc) {          // (one lane; one thread's walk: 21 -> 10 us a row)
+                int kk = k - above, d = -1;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    if (d < 0) {
+                        if (c[i] >= kk) d = i;
+                        else kk -= c[i];
+                    }
+                found[0] = 255 - 8 * lane - d;
+                found[1] = kk;
+            }
         }
         __syncthreads();
         prefix |= (unsigned)found[0] << shift;
