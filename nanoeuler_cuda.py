@@ -4858,8 +4858,8 @@ class Decoder(Sampler):
         n = len(rows)
         assert 0 < n and self._rows[rows, self._POS].max() < self.ctx, "a row past the context"
         ahead = self._ahead
-        if (self._chain and ahead is not None and len(ahead[0]) == n and (ahead[0] == rows).all()
-                and len(self._valid) == n):
+        same = ahead is not None and len(ahead[0]) == n and (ahead[0] == rows).all() and len(self._valid) == n
+        if same and self._chain:
             self._next(rows, chained=True)
             ids = self._wait(ahead)[2]
             self._last[rows] = np.maximum(ids, 0)
@@ -4867,7 +4867,7 @@ class Decoder(Sampler):
         ids, have = np.zeros(n, np.int32), np.zeros(n, bool)
         if ahead is not None:
             got = self._settle()
-            if len(ahead[0]) == n and (ahead[0] == rows).all() and len(self._valid) == n:
+            if same:
                 ids[:], have[:] = got, True
             else:
                 at = {int(r): i for i, r in enumerate(ahead[0]) if int(r) in self._valid}

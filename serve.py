@@ -654,8 +654,9 @@ def _engine_main(conns, server_ends, decoder_factory, rows, tok, queued):
                 msg = conn.recv()
             except EOFError:
                 live.remove(conn)
-                for job, _ in [entry for key, entry in list(reports.jobs.items()) if key[0] == w]:
-                    scheduler.retire(job)
+                for (jw, _), (job, _) in list(reports.jobs.items()):
+                    if jw == w:
+                        scheduler.retire(job)
                 continue
             if msg[0] == "submit":
                 job = Job(**msg[2], stop=[], id=(w, msg[1]))

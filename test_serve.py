@@ -1076,15 +1076,21 @@ def _stop(p):
     return p.returncode, out, err
 
 
+def _stat(pid):
+    """The fields of /proc/PID/stat after the process's name (0: its state, 19: its start time)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _children(pid):
     """A process's children, oldest first (the serve mode's: its engine process, then its other workers)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         kids = [int(k) for k in f.read().split()]
-    return sorted(kids, key=lambda k: (int(open(f"/proc/{k}/stat").read().rsplit(")", 1)[1].split()[19]), k))
+    return sorted(kids, key=lambda k: (int(_stat(k)[19]), k))
 
 
 def _gone(pid):
-    return not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    return not os.path.exists(f"/proc/{pid}") or _stat(pid)[0] == "Z"
 
 
 def test_cli_serves_on_localhost_and_stops_on_ctrl_c(model):
