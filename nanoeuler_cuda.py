@@ -837,18 +837,34 @@ template <int VEC> __device__ __forceinline__ void stv(float* p, const float* f)
     for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
 }
 template <int VEC> __device__ __forceinline__ void stv(bf16* p, const float* f) { stbf<VEC>(p, f); }
+// a row's RMSNorm statistic 1/sqrt(mean(x^2) + eps) over its D bf16 values, by the whole block (every thread
+// gets it): a Decoder's kernels that take the residual's row where a norm folded into the product before them
+__device__ float row_rstd(const bf16* __restrict__ x, int D) {
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) { const float v = bf2f(x[c]); ss += v * v; }
+    return 1.0f / sqrtf(block_sum(ss) / D + RMS_EPS);
+}
 """
 
 # --- embedding: x[n] = tok_emb[idx[n]]; backward without atomics: the host sorts the positions by
 #     token (order, starts), and one block per vocabulary row sums its positions in a fixed order ---
 
-EMBED_SRC = cuda_source("embed", ["embed_fwd", "embed_bwd"], r"""
-extern "C" __global__ void embed_fwd(const float* __restrict__ emb, const int* __restrict__ idx,
-                                     float* __restrict__ x, int D) {
+EMBED_SRC = cuda_source("embed", ["embed_fwd", "embed_fwd_bf16", "embed_bwd"], r"""
+template <typename T> __device__ void embed_fwd_body(const float* __restrict__ emb, const int* __restrict__ idx,
+                                                     T* __restrict__ x, int D) {
     dep_trigger();                                        // (generation: the first layer's weights load now)
     const float* e = emb + (i64)idx[blockIdx.x] * D;
-    float* o = x + (i64)blockIdx.x * D;
-    for (int c = threadIdx.x; c < D; c += blockDim.x) o[c] = e[c];
+    T* o = x + (i64)blockIdx.x * D;
+    for (int c = threadIdx.x; c < D; c += blockDim.x) stf(o + c, e[c]);
+}
+extern "C" __global__ void embed_fwd(const float* __restrict__ emb, const int* __restrict__ idx,
+                                     float* __restrict__ x, int D) {
+    embed_fwd_body(emb, idx, x, D);
+}
+// a bf16 residual stream (a Decoder's)
+extern "C" __global__ void embed_fwd_bf16(const float* __restrict__ emb, const int* __restrict__ idx,
+                                          bf16* __restrict__ x, int D) {
+    embed_fwd_body(emb, idx, x, D);
 }
 extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __restrict__ order,
                                      const int* __restrict__ starts, float* __restrict__ demb, int D) {
@@ -870,8 +886,9 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 
 
 def embed_fwd(emb, idx, x):
+    """x = emb[idx]: fp32 x, or bf16 (a Decoder's residual stream, rounded)."""
     N, D = x.shape
-    _k("embed_fwd")((N,), (128,), (emb, idx, x, I32(D)))
+    _k("embed_fwd_bf16" if x.dtype == BF else "embed_fwd")((N,), (128,), (emb, idx, x, I32(D)))
 
 
 def embed_bwd(dx, order, starts, demb):
@@ -894,8 +911,8 @@ def sort_tokens(idx, V):
 #     The residual stream x, xout and the statistics are fp32 in every precision; h (the next GEMM's
 #     input) is fp32 or bf16 ---
 
-RMSNORM_SRC = cuda_source("rmsnorm", ["rmsnorm_fwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd", "rmsnorm_bwd_d768",
-                                      "rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_d768", "col_sum"], r"""
+RMSNORM_SRC = cuda_source("rmsnorm", ["rmsnorm_fwd", "rmsnorm_fwd_bf16", "rmsnorm_fwd_xbf16", "rmsnorm_bwd",
+                                      "rmsnorm_bwd_d768", "rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_d768", "col_sum"], r"""
 // the 4 values at p[4c .. 4c+3] as a float4: fp32, or bf16 widened / rounded to nearest (16- or 8-byte accesses)
 template <typename T> __device__ __forceinline__ float4 ld4(const T* p, i64 c) {
     float f[4]; ldv<4>(p + 4 * c, f); return make_float4(f[0], f[1], f[2], f[3]);
@@ -905,15 +922,16 @@ template <typename T> __device__ __forceinline__ void st4(T* p, i64 c, float4 v)
 }
 // Forward, a warp per row: lane holds columns 4(lane + 32j) .. +3 (j < 8: D <= 1024, D % 4 == 0) of
 // x [+ add] in registers, read once with 16-byte loads; the sum of squares is reduced once. add is the branch
-// a GEMM wrote (TA fp32, or bf16 on the bf16 path); x, xout (the new residual) and the statistics are fp32.
-template <typename TA, typename TH>
-__device__ __forceinline__ void rmsnorm_fwd_body(const float* __restrict__ x, const TA* __restrict__ add,
+// a GEMM wrote (TA fp32, or bf16 on the bf16 path); x, xout (the new residual) and the statistics are fp32
+// (x bf16: a Decoder's residual stream; h null: the statistics alone).
+template <typename TA, typename TH, typename TX = float>
+__device__ __forceinline__ void rmsnorm_fwd_body(const TX* __restrict__ x, const TA* __restrict__ add,
         int has_add, const float* __restrict__ w, float* __restrict__ xout, TH* __restrict__ h,
         float* __restrict__ rstd, int N, int D) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31, D4 = D >> 2;
     dep_wait();                                // (a Decoder's launch may start it early: see launch())
     if (row >= N) return;                      // whole warps leave; no block barrier below
-    const float* xr = x + (i64)row * D;
+    const TX* xr = x + (i64)row * D;
     float4 v[8];
     float ss = 0.f;
 #pragma unroll
@@ -934,7 +952,7 @@ __device__ __forceinline__ void rmsnorm_fwd_body(const float* __restrict__ x, co
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         const int c = lane + 32 * j;
-        if (c < D4) {
+        if (c < D4 && h != nullptr) {
             const float4 wv = __ldg(reinterpret_cast<const float4*>(w) + c);
             st4(h + (i64)row * D, c, make_float4(v[j].x * r * wv.x, v[j].y * r * wv.y, v[j].z * r * wv.z, v[j].w * r * wv.w));
         }
@@ -950,6 +968,10 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const float* __restrict__ x, const b
                                             const float* __restrict__ w, float* __restrict__ xout,
                                             bf16* __restrict__ h, float* __restrict__ rstd, int N, int D) {
     rmsnorm_fwd_body<bf16, bf16>(x, add, has_add, w, xout, h, rstd, N, D);
+}
+extern "C" __global__ void rmsnorm_fwd_xbf16(const bf16* __restrict__ x, const float* __restrict__ w,
+                                             bf16* __restrict__ h, float* __restrict__ rstd, int N, int D) {
+    rmsnorm_fwd_body<bf16, bf16, bf16>(x, nullptr, 0, w, nullptr, h, rstd, N, D);
 }
 
 // Backward in one pass over dy and x: dx (+)= r*g - r^3 * x * mean(g*x), g = dy*w (fp32 math; DY float, or
@@ -1070,9 +1092,14 @@ def rms_part_rows(N):
 
 def rmsnorm_fwd(x, w, h, rstd, add=None, xout=None, pdl=False):
     """h = rmsnorm(x [+ add]) * w: h and add fp32, or both bf16 (the bf16 path); with add, the sum is also
-    written to xout (the new residual, fp32). D <= 1024, D % 4 == 0, rows 16-byte aligned. pdl: a
-    programmatic dependent launch (a Decoder's step: its launch overlaps the product before it)."""
+    written to xout (the new residual, fp32). x bf16 (a Decoder's residual stream): h bf16, or None for the
+    statistics alone. D <= 1024, D % 4 == 0, rows 16-byte aligned. pdl: a programmatic dependent launch (a
+    Decoder's step: its launch overlaps the product before it)."""
     N, D = x.shape
+    if x.dtype == BF:
+        assert add is None and (h is None or h.dtype == BF) and D <= 1024 and D % 4 == 0
+        return launch(_k("rmsnorm_fwd_xbf16"), _blocks(N, 8), (256,),
+                      (x, NULL if h is None else w, NULL if h is None else h, rstd, I32(N), I32(D)), pdl=pdl)
     has = add is not None
     assert D <= 1024 and D % 4 == 0 and (not has or add.dtype == h.dtype), (D, has and add.dtype, h.dtype)
     launch(_k("rmsnorm_fwd_bf16" if h.dtype == BF else "rmsnorm_fwd"), _blocks(N, 8), (256,),
@@ -1162,8 +1189,9 @@ def rope(u, cos, sin, T, heads, hd, sign=1.0, pos0=0):
 
 # --- SwiGLU on gu = [g | u] (N, 2F): act = silu(g) * u; backward writes [dg | du] over gu ---
 
-SWIGLU_SRC = cuda_source("swiglu", ["swiglu_fwd", "swiglu_fwd_to_bf16", "swiglu_bwd", "swiglu_fwd_bf16",
-                                    "swiglu_fwd_bf16_v8", "swiglu_bwd_bf16", "swiglu_bwd_bf16_v8"], r"""
+SWIGLU_SRC = cuda_source("swiglu", ["swiglu_fwd", "swiglu_fwd_to_bf16", "swiglu_fwd_norm", "swiglu_bwd",
+                                    "swiglu_fwd_bf16", "swiglu_fwd_bf16_v8", "swiglu_bwd_bf16", "swiglu_bwd_bf16_v8"],
+                         r"""
 template <typename TO>
 __device__ __forceinline__ void swiglu_fwd_body(const float* __restrict__ gu, TO* __restrict__ act, int N, int F) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1179,6 +1207,19 @@ extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __res
 extern "C" __global__ void swiglu_fwd_to_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int N, int F) {
     dep_wait();                                // (a Decoder's launch may start it early: see launch())
     swiglu_fwd_body(gu, act, N, F);
+}
+// A Decoder's (its residual stream x bf16, the FFN norm's weight folded into w1|w3, so gu = x (w*W)^T): act =
+// silu(r g) * (r u), r row n's 1/rms of x. A block per (F-chunk, row) takes r before dep_wait: x was written
+// before the product ahead of this kernel began.
+extern "C" __global__ void swiglu_fwd_norm(const float* __restrict__ gu, const bf16* __restrict__ x,
+                                           bf16* __restrict__ act, int F, int D) {
+    const i64 n = blockIdx.y;
+    const float r = row_rstd(x + n * D, D);
+    dep_wait();
+    const int f = blockIdx.x * blockDim.x + threadIdx.x;
+    if (f >= F) return;
+    const float g = r * gu[n * 2 * F + f], u = r * gu[n * 2 * F + F + f];
+    act[n * F + f] = f2bf(g / (1.f + expf(-g)) * u);
 }
 extern "C" __global__ void swiglu_bwd(const float* __restrict__ dact, float* __restrict__ gu, int N, int F) {
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -1250,6 +1291,13 @@ def swiglu_fwd(gu, act, pdl=False):
                                                                 (gu, act, I32(N), I32(F)))
         return
     _k("swiglu_fwd")(_blocks(N * F), (256,), (gu, act, I32(N), I32(F)))
+
+
+def swiglu_norm(gu, x, act):
+    """act (bf16) = SwiGLU of gu's rows (fp32) each scaled by its row's 1/rms of x (bf16): a Decoder's, whose
+    w1|w3 hold the FFN norm's weight (see Decoder). A programmatic launch."""
+    N, F = act.shape
+    launch(_k("swiglu_fwd_norm"), (-(-F // 256), N), (256,), (gu, x, act, I32(F), I32(x.shape[1])))
 
 
 def swiglu_bwd(dact, gu):
@@ -3457,17 +3505,19 @@ __device__ __forceinline__ void rope_append(float a, float c, float* __restrict_
     }
 }
 // (cuBLAS path) rope_append on every pair of each new row, in place: a thread per (row, head, pair); a
-// Decoder's step (rec): row n at its record's slot and position
+// Decoder's rows (rec): row n at its record's slot and position, and its q|k|v first scaled by rs[n] (its
+// 1/rms: the norm's weight is folded into the product; rs null: none)
 extern "C" __global__ void rope_store(float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc,
                                       const float* __restrict__ cosv, const float* __restrict__ sinv,
                                       const int* __restrict__ state, int R, int rows, int Hq, int Hkv, int hd,
-                                      int ctx, const int* __restrict__ rec) {
+                                      int ctx, const int* __restrict__ rec, const float* __restrict__ rs) {
     int half = hd / 2, H = Hq + 2 * Hkv;
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= R * H * half) return;
     int i = idx % half, hh = (idx / half) % H, n = idx / (half * H);
     float* r = qkv + (i64)n * H * hd;
-    rope_append(r[hh * hd + i], r[hh * hd + i + half], r, hh, i, rec ? rec[ROW_REC * n + ROW_SLOT] : n / rows,
+    const float sc = rs ? rs[n] : 1.f;
+    rope_append(sc * r[hh * hd + i], sc * r[hh * hd + i + half], r, hh, i, rec ? rec[ROW_REC * n + ROW_SLOT] : n / rows,
                 rec ? rec[ROW_REC * n + ROW_POS] : state[0] + n % rows, cosv, sinv, kc, vc, Hq, Hkv, hd, ctx);
 }
 // The decode step's products, for its few rows (R <= MATVEC_ROWS): out = EPI(x' @ W^T), x (R, K), W (N, K),
@@ -3619,11 +3669,12 @@ MATVEC_SRC = cuda_source("matvec", ["rope_store", *MATVEC_KERNELS],
                          ROW_SRC + MATVEC_SRC + "".join(MATVEC_KERNELS.values()))
 
 
-def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd, rec=None):
+def rope_store(qkv, kc, vc, cos, sin, state, rows, Hq, Hkv, hd, rec=None, rs=None):
     R, ctx = qkv.shape[0], kc.shape[2]
     _k("rope_store")(_blocks(R * (Hq + 2 * Hkv) * hd // 2), (256,), (qkv, kc, vc, cos, sin, state, I32(R), I32(rows),
                                                                      I32(Hq), I32(Hkv), I32(hd), I32(ctx),
-                                                                     NULL if rec is None else rec))
+                                                                     NULL if rec is None else rec,
+                                                                     NULL if rs is None else rs))
 
 
 MATVEC_ROWS = 16    # decode steps of at most this many rows use matvec; more rows (a prompt, many streams) cuBLAS
@@ -3804,13 +3855,17 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* acc, fl
 template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps_body(
         const float* __restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, TO* __restrict__ out,
         const int* __restrict__ state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows,
-        int Hkv, int ctx, float scale, const int* __restrict__ rec) {
+        int Hkv, int ctx, float scale, const int* __restrict__ rec, const bf16* __restrict__ xn, int D) {
     constexpr int LPK = HD / 8, KPS = 32 / LPK;
     __shared__ float wm[GQ][NW], wl[GQ][NW];
     __shared__ __align__(16) float wo[GQ][NW][HD];
     const int t = blockIdx.x, j = blockIdx.y, b = blockIdx.z, Cq = GQ * Hkv * HD;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, slot = lane / LPK, d0 = 8 * (lane % LPK);
     const i64 n = (i64)b * rows + t;
+    // xn (a Decoder's step, cosv set): the row's q|k|v is x (w*W)^T, the attention norm's weight folded into
+    // the product; scaled here by its 1/rms of x (bf16), taken before dep_wait (x was written before the
+    // product ahead of this kernel began)
+    const float rs = xn != nullptr ? row_rstd(xn + n * D, D) : 1.f;
     dep_wait();
     const i64 cb = rec ? rec[ROW_REC * b + ROW_SLOT] : b;   // the cache's stream (a Decoder's row: its slot)
     float* K = kc + (cb * Hkv + j) * ctx * HD + d0;           // (written here where cosv: not read-only)
@@ -3821,6 +3876,8 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
     // rope_append does (rope_store's launch saved); a pair's other half is LPK/2 lanes away
     auto load8 = [&](float* r, const float* src, bool rotate) {
         ldv<8>(src, r);
+#pragma unroll
+        for (int e = 0; e < 8; e++) r[e] *= rs;
         if (!rotate) return;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -3967,8 +4024,8 @@ CACHE_ATTN_KERNELS = {
        f'extern "C" __global__ void __launch_bounds__({32 * ATTN_WARPS[0]}) {attn_warps_name(hd, gq, bf)}(const float* '
        f'__restrict__ qkv, float* __restrict__ kc, float* __restrict__ vc, {to}* __restrict__ out, const int* __restrict__ '
        f'state, const float* __restrict__ cosv, const float* __restrict__ sinv, int rows, int Hkv, int ctx, float scale, '
-       f'const int* __restrict__ rec) {{ attn_warps_body<{hd}, {ATTN_WARPS[0]}, {ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, '
-       f'state, cosv, sinv, rows, Hkv, ctx, scale, rec); }}\n'
+       f'const int* __restrict__ rec, const bf16* __restrict__ xn, int D) {{ attn_warps_body<{hd}, {ATTN_WARPS[0]}, '
+       f'{ATTN_WARPS[1]}, {gq}>(qkv, kc, vc, out, state, cosv, sinv, rows, Hkv, ctx, scale, rec, xn, D); }}\n'
        for hd in ATTN_WARPS_HD for gq in ATTN_WARPS_GQ for bf, to in ATTN_OUT}}
 CACHE_ATTN_SRC = cuda_source("cache_attn", CACHE_ATTN_KERNELS,
                              ROW_SRC + CACHE_ATTN_SRC + "".join(CACHE_ATTN_KERNELS.values()))
@@ -3999,16 +4056,18 @@ def attn_chunk(hd, R, prof=None, ch=None):
     return ch
 
 
-def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None, pdl=True):
+def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None, pdl=True, xn=None):
     """out = the attention of qkv's rows over the caches (their new rows already appended by rope_store); or,
     rope = (cos, sin) (attn_warps only, a row per stream), qkv as the product left it: rotated and appended
     here. rec (a Decoder's rows, a row per record): each row over its own slot and position, as one row alone;
     by attn_warps with rope or a bf16 output (the tensor-core path's steps and prompt passes, where warps_fit:
     starts() of 32 prompts of big 8.0 -> 6.5 ms against attn_cached_body's chunks); pdl=False where the rows'
-    earlier keys are this pass's (a Decoder's prompts: see launch)."""
+    earlier keys are this pass's (a Decoder's prompts: see launch). xn (with rope: a Decoder's step): each
+    row's residual (bf16), whose 1/rms scales its q|k|v first (see Decoder)."""
     R, ctx = qkv.shape[0], kc.shape[2]
     assert hd in ATTN_CACHED_HD and R % rows == 0 and Hq % Hkv == 0, (hd, R, rows, Hq, Hkv)
     assert rec is None or rows == 1
+    assert xn is None or rope is not None and xn.dtype == BF and xn.shape[0] == R
     if rec is None and attn_warps(R, Hq, Hkv, hd) or rec is not None and (
             rope is not None or out.dtype == BF and warps_fit(Hq, Hkv, hd)):
         assert (rope is None or rows == 1) and warps_fit(Hq, Hkv, hd)       # many blocks that share the SMs
@@ -4016,7 +4075,8 @@ def attn_cached(qkv, kc, vc, out, state, rows, Hq, Hkv, hd, rope=None, rec=None,
         k = _k(attn_warps_name(hd, Hq // Hkv, out.dtype == BF))
         return launch(k, (rows, Hkv, R // rows), (32 * ATTN_WARPS[0],),
                       (qkv, kc, vc, out, state, cos, sin, I32(rows), I32(Hkv), I32(ctx), F32(1.0 / math.sqrt(hd)),
-                       NULL if rec is None else rec), pdl=pdl)
+                       NULL if rec is None else rec, NULL if xn is None else xn,
+                       I32(0 if xn is None else xn.shape[1])), pdl=pdl)
     assert rope is None
     # keys a chunk: a few blocks (a Decoder's rows: DECODER_CH), or many that share
     # the SMs; either fitted to the device
@@ -4651,9 +4711,10 @@ class Decoder(Sampler):
     _mp rows (prefill, at most the context; a CUDA graph) and draws each prompt's first id after the pass that ends
     it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows past them:
     stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both take _forward_tc:
-    every product on the tensor cores from bf16 weights, cuBLAS at a fixed number of rows (DECODER_MAX a step, _mp a
-    pass), each row's attention over its own slot (a step: attn_warps, which rotates and appends the row; a pass:
-    rope_store, then attn_warps), then sample_tokens per row. On a GPU without bf16 every product is matvec's,
+    a bf16 residual stream, every product on the tensor cores from bf16 weights (the norms' folded in), cuBLAS
+    at a fixed number of rows (DECODER_MAX a step, _mp a pass), each row's attention over its own slot (a step:
+    attn_warps, which rotates and appends the row; a pass: rope_store, then attn_warps), then sample_tokens per
+    row. On a GPU without bf16 every product is matvec's,
     every attention a lone row's, and a prompt the Sampler's prefill as one stream, copied to the row's slot; a
     row's ids there equal the Sampler's for its prompt. Each row takes one uniform number a step (its first id too),
     greedy or not, the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n)
@@ -4676,8 +4737,12 @@ class Decoder(Sampler):
             assert self.x.shape[0] >= M
             self.Pb = DeviceParams(cfg, dtype=BF)
             to_bf16(self.P.flat, self.Pb.flat)
-            self.hb, self.attb, self.actb = (cp.zeros((M, n), BF) for n in (cfg.dim, cfg.n_heads * cfg.head_dim,
-                                                                                cfg.ffn))
+            for l in range(cfg.n_layers):        # each norm's weight folded into the products it feeds
+                p = f"layers.{l}."
+                for norm, first, last in (("attn_norm", "wq", "wv"), ("ffn_norm", "w1", "w3")):
+                    to_bf16(self.P.rows(p + first, p + last) * self.P[p + norm], self.Pb.rows(p + first, p + last))
+            self.xb, self.hb, self.attb, self.actb = (cp.zeros((M, n), BF) for n in (
+                cfg.dim, cfg.dim, cfg.n_heads * cfg.head_dim, cfg.ffn))
             self.lg = cp.zeros((M, cfg.vocab), np.float32)
             self._pass = cp.zeros(DEC_REC * self._mp + 2 + self._mp, np.int32)   # a prompt pass's [records | state]
             self._firsts = cp.zeros(capacity + 1, np.int32)                        # the first ids of starts()
@@ -4738,33 +4803,37 @@ class Decoder(Sampler):
 
     def _forward_tc(self, B, M, rec, state, pdl=True):
         """The model over B rows (their records in rec, their ids in state[2:]), the products from bf16
-        weights and inputs with fp32 accumulation and output: each at M rows whatever B (DECODER_MAX for a
-        step, _mp for a pass of prompts), so cuBLAS runs one kernel a product for every pass of its kind and a
-        row's sums never depend on the other rows (the rows past B: inputs left by earlier passes, outputs
-        never read). RMSNorm, RoPE and the cache append, the attention and SwiGLU over the B rows, each row
-        alone: in a step attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer);
-        in a pass (pdl=False, see attn_cached) rope_store first; -> the logits of the M rows in lg."""
+        weights and inputs with fp32 accumulation: each at M rows whatever B (DECODER_MAX for a step, _mp for a
+        pass of prompts), so cuBLAS runs one kernel a product for every pass of its kind and a row's sums never
+        depend on the other rows (the rows past B: inputs left by earlier passes, outputs never read). The
+        residual stream is bf16 (as vLLM keeps it), so the products read it as it is: each norm before a
+        product is its weight, folded into the product's matrix (Pb), and the row's 1/rms, applied by the
+        kernel after it (qkv: the attention, or rope_store; w1|w3: swiglu_norm), so a layer is 4 products and 2
+        kernels of the B rows, each row alone (big: 32 kernels fewer; a step of 1 / 64 rows 0.56 / 0.67 -> 0.51 /
+        0.61 ms). Its roundings add little: a float64 emulation over tiny's and small's requests gives the logits
+        within 9.0e-3 / 1.8e-2 of fp32's, against 7.3e-3 / 1.7e-2 with an fp32 residual. In a step
+        attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer); in a pass (pdl=False,
+        see attn_cached) rope_store first; -> the logits of the M rows in lg."""
         cfg, P, Pb = self.cfg, self.P, self.Pb
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-        x, hb, qkv, r = self.x[:B], self.hb[:B], self.qkv[:B], self.r[:B]
+        xb, hb, qkv, r = self.xb[:B], self.hb[:B], self.qkv[:B], self.r[:B]
         fold = pdl and warps_fit(Hq, Hkv, hd)    # (a pass of prompts reads keys its own rows append)
-        embed_fwd(P["tok_emb"], state[2:2 + B], x)
+        embed_fwd(P["tok_emb"], state[2:2 + B], xb)
         for l in range(cfg.n_layers):
             p = f"layers.{l}."
-            rmsnorm_fwd(x, P[p + "attn_norm"], hb, r, pdl=True)
-            mm(self.qkv[:M], self.hb[:M], Pb.rows(p + "wq", p + "wv"), tb=True)
+            mm(self.qkv[:M], self.xb[:M], Pb.rows(p + "wq", p + "wv"), tb=True)
             if fold:                     # a step: attn_warps rotates each row and appends it (a block a kv head)
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, (self.cos, self.sin),
-                            rec)
+                            rec, xn=xb)
             else:
-                rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec)
+                rmsnorm_fwd(xb, None, None, r, pdl=pdl)                                # the rows' 1/rms alone
+                rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec, rs=r)
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
-            mm(self.x[:M], self.attb[:M], Pb.rows(p + "wo", p + "wo"), tb=True, beta=1.0)   # x += attention
-            rmsnorm_fwd(x, P[p + "ffn_norm"], hb, r, pdl=True)
-            mm(self.gu[:M], self.hb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
-            swiglu_fwd(self.gu[:B], self.actb[:B], pdl=True)
-            mm(self.x[:M], self.actb[:M], Pb.rows(p + "w2", p + "w2"), tb=True, beta=1.0)   # x += ffn
-        rmsnorm_fwd(x, P["norm"], hb, r, pdl=True)
+            mm(self.xb[:M], self.attb[:M], Pb.rows(p + "wo", p + "wo"), tb=True, beta=1.0)  # x += attention
+            mm(self.gu[:M], self.xb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
+            swiglu_norm(self.gu[:B], xb, self.actb[:B])
+            mm(self.xb[:M], self.actb[:M], Pb.rows(p + "w2", p + "w2"), tb=True, beta=1.0)  # x += ffn
+        rmsnorm_fwd(xb, P["norm"], hb, r, pdl=True)
         mm(self.lg[:M], self.hb[:M], Pb.rows("heads.0", "heads.0"), tb=True)
 
     def _prompts(self):
@@ -5579,15 +5648,18 @@ def selftest_generation(rng, randn, tol):
     R.append((f"  a step of {S} streams at {p0}, head dims {ATTN_CACHED_HD}, 1-4 q heads a kv head", e, tol))
     R.append((f"  the same, RoPE and the append in the attention (head dims {ATTN_WARPS_HD})", er, tol))
     R.append(("    its k and v appended to the caches", ec, tol))
-    # a Decoder's step (records): each row at its own slot and position, RoPE and the append by attn_warps
+    # a Decoder's step (records): each row at its own slot and position, its q|k|v scaled by its 1/rms of its
+    # residual row (bf16), RoPE and the append by attn_warps
     d, Hq3, Hkv3, S, n = 64, 6, 2, 5, 81
     slots, at = np.array([3, 0, 4, 1, 2]), np.array([10, 0, 79, 33, 5])
     kc3, vc3, q3, o3 = randn(S, Hkv3, n, d), randn(S, Hkv3, n, d), randn(S, (Hq3 + 2 * Hkv3) * d), _nan(S, Hq3 * d)
+    xr = bf16_float(bf16_bits(randn(S, 96) * 3)).astype(np.float64)
     recs = np.zeros((S, DEC_REC), np.int32)
     recs[:, DEC_FIELDS.index("SLOT")], recs[:, DEC_FIELDS.index("POS")] = slots, at
     c64, kd, vd = pl.rope_tables(n, d, np.float64), _d(kc3), _d(vc3)
     attn_cached(_d(q3), kd, vd, o3, st0, 1, Hq3, Hkv3, d, tuple(_d(a.astype(np.float32)) for a in c64),
-                cp.asarray(recs.ravel()))
+                cp.asarray(recs.ravel()), xn=cp.asarray(bf16_bits(xr)))
+    q3 = q3 / np.sqrt((xr * xr).mean(1, keepdims=True) + pl.RMS_EPS)
     want, ea = np.zeros((S, Hq3 * d)), 0.0
     for i, (sl, p) in enumerate(zip(slots, at)):
         rot = lambda u, H: ne.rope_forward(u.reshape(1, H, d), np.array([p]), *c64).reshape(H, d)
@@ -5600,8 +5672,8 @@ def selftest_generation(rng, randn, tol):
             sc = k[h // (Hq3 // Hkv3)] @ qr[h] / math.sqrt(d)
             w = np.exp(sc - sc.max())
             want[i, h * d:(h + 1) * d] = w / w.sum() @ v[h // (Hq3 // Hkv3)]
-    R.append(("  a Decoder's step: rows at their own slots and positions, RoPE and the append in attn_warps",
-              rel_err(o3, want), tol))
+    R.append(("  a Decoder's step: rows at their own slots and positions, scaled by their 1/rms, RoPE and the "
+              "append in attn_warps", rel_err(o3, want), tol))
     R.append(("    their k and v appended at their slots and positions", ea, tol))
     gu = randn(5, 140)
     act = cp.full((5, 70), 0x7fc0, BF)
@@ -5820,6 +5892,35 @@ def selftest_checks_bf16(rng):
             R.append((f"rmsnorm bwd, bf16 dy{' + bf16 copy' if copy else ''}: dx, dw (D={D})",
                       max(rel_err(dxg, dx_ref), rel_err(dwg, dw_ref)), T32))
         R.append((f"  its bf16 dx (D={D})", rel_err(dxb, dx_ref), TB))
+    # a Decoder's bf16 residual stream: the embedding rounded into it; RMSNorm from its rows (h, or the
+    # statistics alone); the kernels that scale a product's rows by their 1/rms (the norm's weight folded
+    # into the product): rope_store and SwiGLU (attn_warps: selftest_generation)
+    V, N, D, F, hd, Hq, Hkv = 50, 7, 96, 80, 32, 4, 2
+    emb, idx = randn(V, D), rng.integers(0, V, N).astype(np.int32)
+    xb = _nanb(N, D)
+    embed_fwd(_d(emb), cp.asarray(idx), xb)
+    R.append(("embed fwd -> bf16 (bits vs round-to-nearest-even)",
+              float(np.count_nonzero(cp.asnumpy(xb) != bf16_bits(emb[idx]))), 0))
+    x, w = _rb(randn(N, D) * 2), 1 + 0.3 * randn(D)
+    y, rs = ne.rmsnorm_forward(x, w)
+    h, r, r2 = _nanb(N, D), _nan(N), _nan(N)
+    rmsnorm_fwd(_db(x), _d(w), h, r)
+    rmsnorm_fwd(_db(x), None, None, r2)
+    R.append(("rmsnorm fwd of bf16 rows: rstd, and rstd alone", max(rel_err(r, rs), rel_err(r2, rs)), T32))
+    R.append(("  its bf16 h", rel_err(h, y), TB))
+    gu, act = randn(N, 2 * F), _nanb(N, F)
+    swiglu_norm(_d(gu), _db(x), act)
+    R.append(("SwiGLU of rows scaled by their 1/rms of bf16 rows, bf16 out", rel_err(act, ne.swiglu_forward(
+        gu * rs[:, None])), TB))
+    C, nq = (Hq + 2 * Hkv) * hd, (Hq + Hkv) * hd
+    q, (cos, sin) = randn(N, C), pl.rope_tables(16, hd, np.float64)
+    g, kc, vc = _d(q), _nan(1, Hkv, 16, hd), _nan(1, Hkv, 16, hd)
+    rope_store(g, kc, vc, _d(cos), _d(sin), cp.asarray(np.zeros(2, np.int32)), N, Hq, Hkv, hd, rs=_d(rs))
+    ref = q * rs[:, None]
+    ref[:, :nq] = ne.rope_forward(ref[:, :nq].reshape(N, Hq + Hkv, hd), np.arange(N), cos, sin).reshape(N, nq)
+    cached = np.concatenate([cp.asnumpy(c[0, :, :N]).transpose(1, 0, 2).reshape(N, Hkv * hd) for c in (kc, vc)], 1)
+    R.append(("rope_store of rows scaled by their 1/rms: q|k|v, and k|v cached",
+              max(rel_err(g, ref), rel_err(cached, ref[:, Hq * hd:])), T32))
     # RoPE on bf16 q|k heads of a fused q|k|v buffer (v untouched), and at positions pos0..
     B, T, Hq, Hkv, hd = 2, 19, 4, 2, 32
     N, S = B * T, (Hq + 2 * Hkv) * hd
