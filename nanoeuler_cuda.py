@@ -4758,7 +4758,8 @@ class Decoder(Sampler):
             assert self.x.shape[0] >= M
             self.Pb = DeviceParams(cfg, dtype=BF)
             to_bf16(self.P.flat, self.Pb.flat)
-            for l in range(cfg.n_layers):        # each norm's weight folded into the products it feeds
+            for l in range(cfg.n_layers):        # each norm's weight folded into the products it feeds (so
+                                                 # these are not the Sampler's Pb: generate() would undo them)
                 p = f"layers.{l}."
                 for norm, first, last in (("attn_norm", "wq", "wv"), ("ffn_norm", "w1", "w3")):
                     to_bf16(self.P.rows(p + first, p + last) * self.P[p + norm], self.Pb.rows(p + first, p + last))
