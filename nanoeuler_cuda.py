@@ -1215,9 +1215,8 @@ __device__ __forceinline__ void swiglu_fwd_body(const float* __restrict__ gu, TO
 extern "C" __global__ void swiglu_fwd(const float* __restrict__ gu, float* __restrict__ act, int N, int F) {
     swiglu_fwd_body(gu, act, N, F);
 }
-// fp32 gu, bf16 act: the batched decode step's (its next product takes bf16)
+// fp32 gu, bf16 act: the Sampler's batched decode step's (its next product takes bf16)
 extern "C" __global__ void swiglu_fwd_to_bf16(const float* __restrict__ gu, bf16* __restrict__ act, int N, int F) {
-    dep_wait();                                // (a Decoder's launch may start it early: see launch())
     swiglu_fwd_body(gu, act, N, F);
 }
 // A Decoder's (its residual stream x bf16, the FFN norm's weight folded into w1|w3, so gu = x (w*W)^T): act =
@@ -1294,10 +1293,10 @@ extern "C" __global__ void swiglu_bwd_bf16_v8(const bf16* __restrict__ dact, bf1
 """)
 
 
-def swiglu_fwd(gu, act, pdl=False):
+def swiglu_fwd(gu, act):
     N, F = act.shape
     if gu.dtype == np.float32 and act.dtype == BF:
-        return launch(_k("swiglu_fwd_to_bf16"), _blocks(N * F), (256,), (gu, act, I32(N), I32(F)), pdl=pdl)
+        return _k("swiglu_fwd_to_bf16")(_blocks(N * F), (256,), (gu, act, I32(N), I32(F)))
     if act.dtype == BF:
         v8 = F % 8 == 0
         _k("swiglu_fwd_bf16_v8" if v8 else "swiglu_fwd_bf16")(_blocks(N * F // (8 if v8 else 2)), (256,),
