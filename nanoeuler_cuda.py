@@ -3484,11 +3484,12 @@ def train(a, defaults, resume, group=None):
 #     product and its epilogue (the residual add, SwiGLU, or RoPE and the cache append) fused in; more
 #     rows (a prompt, many streams) take cuBLAS (sgemm_nt) and rope_store ---
 
-DEC_FIELDS = ("SLOT", "POS", "UNI", "TEMP", "TOPK", "TOPP", "PEN")   # a Decoder row's record, in order
+DEC_FIELDS = ("SLOT", "POS", "UNI", "TEMP", "TOPK", "TOPP", "PEN", "UIX")   # a Decoder row's record, in order
 DEC_REC = 8         # ints a record (DEC_FIELDS, padded)
 ROW_SRC = f"""
 // A Decoder row's record: DEC_REC ints (`rec`; nullptr outside the Decoder): its cache slot, position, uniform
-// number and sampling rule (temperature, top_k, top_p, repetition penalty; floats as their bits)
+// number and sampling rule (temperature, top_k, top_p, repetition penalty; floats as their bits), and which of
+// its uniform numbers that is
 enum {{ ROW_REC = {DEC_REC}, {", ".join(f"ROW_{f} = {i}" for i, f in enumerate(DEC_FIELDS))} }};
 """
 
@@ -4192,11 +4193,15 @@ __device__ float kth_largest(const float* sv, int V, int k) {
 // only the k-th largest value matters (kth_largest; the sort took 82 us a row at V = 4096 on an H200). The id goes
 // to tokens[step * streams + b], to state[2 + b] (the next step's input) and into seen. A Decoder's step
 // (rec): row b's rule, u and seen row (its cache slot) from its record, and the id -1 where a logit is not
-// finite.
+// finite; with idsh (page-locked host memory, which the device writes over the bus) the id also goes to
+// idsh[(position & 1) * cap + b], where the host reads it once the step has ended (no copy of its own), and
+// the record moves on to the next step: its position, and its next uniform number from unis (the row's, ldu
+// apart), so that a step of the same rows needs nothing from the host.
 __device__ __forceinline__ void sample_tokens_body(
         const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
-        float temperature, int top_k, float top_p, float penalty, const int* __restrict__ rec) {
+        float temperature, int top_k, float top_p, float penalty, int* __restrict__ rec, int* __restrict__ idsh,
+        int cap, const float* __restrict__ unis, int ldu) {
     extern __shared__ __align__(16) float sm[];
     dep_trigger();
     dep_wait();
@@ -4204,7 +4209,7 @@ __device__ __forceinline__ void sample_tokens_body(
     int* si = reinterpret_cast<int*>(sm + Vp);            // [Vp] their ids
     float* pv = sm + 2 * Vp;                              // [V] the kept mass in id order
     int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, streams = gridDim.x, step = state[1];
-    const int* rr = rec ? rec + ROW_REC * b : rec;        // its record (the Decoder's)
+    int* rr = rec ? rec + ROW_REC * b : rec;              // its record (the Decoder's)
     if (rec) {
         temperature = __int_as_float(rr[ROW_TEMP]);
         top_k = rr[ROW_TOPK];
@@ -4291,6 +4296,14 @@ __device__ __forceinline__ void sample_tokens_body(
         tokens[(i64)step * streams + b] = tok;
         state[2 + b] = max(tok, 0);
         if (tok >= 0) sn[tok] = 1;
+        if (idsh != nullptr) {
+            idsh[(rr[ROW_POS] & 1) * cap + b] = tok;
+            if (rr[ROW_SLOT] != 0) {                      // (slot 0: a bucket's padding rows stay)
+                rr[ROW_POS] += 1;
+                rr[ROW_UIX] += 1;
+                rr[ROW_UNI] = __float_as_int(unis[(i64)(rr[ROW_SLOT] - 1) * ldu + rr[ROW_UIX]]);
+            }
+        }
     }
 }
 // the Sampler's (no records: the null rec folds away) and the Decoder's
@@ -4298,13 +4311,16 @@ extern "C" __global__ void __launch_bounds__(1024) sample_tokens(
         const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
         float temperature, int top_k, float top_p, float penalty) {
-    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, nullptr);
+    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, nullptr,
+                       nullptr, 0, nullptr, 0);
 }
 extern "C" __global__ void __launch_bounds__(1024) sample_tokens_rec(
         const float* __restrict__ logits, int ldl, int V, int Vp, int* __restrict__ seen,
         const float* __restrict__ uni, int* __restrict__ state, int* __restrict__ tokens,
-        float temperature, int top_k, float top_p, float penalty, const int* __restrict__ rec) {
-    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, rec);
+        float temperature, int top_k, float top_p, float penalty, int* __restrict__ rec, int* __restrict__ idsh,
+        int cap, const float* __restrict__ unis, int ldu) {
+    sample_tokens_body(logits, ldl, V, Vp, seen, uni, state, tokens, temperature, top_k, top_p, penalty, rec, idsh,
+                       cap, unis, ldu);
 }
 extern "C" __global__ void advance(int* state, int dpos, int dstep) {
     dep_wait();
@@ -4319,9 +4335,10 @@ def sampling_smem(V):
     return (2 * (1 << max(V - 1, 1).bit_length()) + V) * 4
 
 
-def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None):
+def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None, idsh=None, unis=None):
     """One id per stream from logits (streams, >= V) by sampling's rule; see SAMPLING_SRC. rec (a Decoder's):
-    one id per row of logits by its record's rule, u and seen row (sampling unused)."""
+    one id per row of logits by its record's rule, u and seen row (sampling unused); idsh (page-locked, 2 x
+    rows at most) and unis (a Decoder's step): the ids to the host, and the records one step on."""
     streams, V = logits.shape[0], seen.shape[1]
     smem = sampling_smem(V)
     if not smem_fits(smem):
@@ -4332,7 +4349,10 @@ def sample_tokens(logits, seen, uni, state, tokens, sampling, rec=None):
     shared_memory(k, smem)                         # with its static shared memory, over 48 KB from V = 4096
     launch(k, (streams,), (1024,), (logits, I32(logits.shape[1]), I32(V), I32(Vp), seen, uni, state, tokens,
                                     F32(sampling.temperature), I32(sampling.top_k), F32(sampling.top_p),
-                                    F32(sampling.repetition_penalty)) + (() if rec is None else (rec,)), shared_mem=smem)
+                                    F32(sampling.repetition_penalty))
+           + (() if rec is None else (rec, NULL if idsh is None else np.uint64(idsh.ctypes.data),
+                                      I32(0 if idsh is None else idsh.size // 2), NULL if unis is None else unis,
+                                      I32(0 if unis is None else unis.shape[1]))), shared_mem=smem)
 
 
 def advance(state, dpos, dstep):
@@ -4738,10 +4758,12 @@ class Decoder(Sampler):
     every attention a lone row's, and a prompt the Sampler's prefill as one stream, copied to the row's slot; a
     row's ids there equal the Sampler's for its prompt. Each row takes one uniform number a step (its first id too),
     greedy or not, the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n)
-    gives n calls' numbers; a call a row took ~0.2 ms a step at 64 rows). The host sends the rows' records and input
-    ids in one copy and reads their ids back in one, and launches the same rows' next step before it returns
-    (step(): one ahead), so the device works while serve handles the ids."""
-    _POS, _UNI = DEC_FIELDS.index("POS"), DEC_FIELDS.index("UNI")
+    gives n calls' numbers; a call a row took ~0.2 ms a step at 64 rows; they go to the device at start too). The
+    host sends the rows' records and input ids in one copy, only where the rows changed: a step moves its rows'
+    records on itself, and writes their ids into page-locked memory the host reads (no copies between the steps
+    of the same rows: a lone row's step of big 0.49 -> 0.475 ms). It launches the same rows' next step before it
+    returns (step(): one ahead), so the device works while serve handles the ids."""
+    _POS, _UNI, _UIX = DEC_FIELDS.index("POS"), DEC_FIELDS.index("UNI"), DEC_FIELDS.index("UIX")
     _SCALARS = pl.Sampling(0)            # sample_tokens' scalar rule, unused where it reads the records
 
     def __init__(self, P, capacity=None, graphs=True, prefill=PREFILL_ROWS):
@@ -4771,9 +4793,11 @@ class Decoder(Sampler):
         nr = DEC_REC * capacity          # one device buffer [records | state], so a step's inputs go up in one
         self._dev = cp.zeros(nr + len(self.state), np.int32)      # copy (before any capture: graphs keep addresses)
         self.rec, self.state = self._dev[:nr], self._dev[nr:]
-        self._up = [_pinned(nr + 2 + capacity) for _ in range(2)]   # its host side, and each step's ids:
-        self._ids_h = [_pinned(capacity) for _ in range(2)]           # two, one for each step in flight
-        self._flip = 0                                                # the pair that the next launch takes
+        self._up = [_pinned(nr + 2 + capacity) for _ in range(2)]   # its host side, two, one for each step in
+        self._flip = 0                                                # flight: the one the next launch takes
+        import cupyx                     # each step's ids, which its sampling writes: a half for each step in
+        self._idsh = cupyx.empty_pinned((2 * capacity,), np.int32)  # flight (a row's position's parity)
+        self.unis = cp.zeros((capacity, self.ctx + 1), np.float32)  # each row's uniform numbers, as _uni
         self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (its uniform: set each step)
         self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
         self._last = np.zeros(capacity, np.int32)                 # each row's last id: its next input
@@ -4801,26 +4825,31 @@ class Decoder(Sampler):
 
     def _upload(self, rows, B, chained=False):
         """The records of rows (an int array), each with its row's next uniform number, then self._pad up to
-        B, and state = [0, 0, their last ids, 0 ..]: to the device in one copy. chained: the input ids are
-        left as the step before wrote them (the same rows in the same order)."""
+        B, and state = [0, 0, their last ids, 0 ..]: to the device in one copy. chained (the same rows in the
+        same order as the step before): nothing, its records and input ids are as that step left them."""
+        if chained:
+            return
         n, nr, up = len(rows), self.rec.size, self._up[self._flip]
         recs, st = up[:nr].reshape(self.capacity, DEC_REC), up[nr:]
         recs[:n] = self._rows[rows]
         recs[:n, self._UNI] = self._uni[rows, self._drawn[rows]].view(np.int32)
+        recs[:n, self._UIX] = self._drawn[rows]
         recs[n:B] = self._pad
         st[:2], st[2:2 + n], st[2 + n:2 + B] = 0, self._last[rows], 0
-        size = nr + 2 + (0 if chained else B)
-        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr, up.ctypes.data, size * 4, 1, self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr, up.ctypes.data, (nr + 2 + B) * 4, 1, self.stream.ptr)
 
-    def _sample(self, logits):
-        sample_tokens(logits, self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec)
+    def _sample(self, logits, step=False):
+        """Each row's id by its record (step: to _idsh too, and the records one step on)."""
+        sample_tokens(logits, self.seen, self.uni, self.state, self.tokens, self._SCALARS, rec=self.rec,
+                      idsh=self._idsh if step else None, unis=self.unis if step else None)
 
     def _step(self, B):
         """The uploaded rows' step as bucket B's graph."""
         if self.Pb is None:
-            return self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(self._lg(B, 1))))
+            return self._run(("rows", B), lambda: (self._forward(1, B, 1, rec=self.rec), self._sample(self._lg(B, 1),
+                                                                                                     True)))
         self._run(("rows", B), lambda: (self._forward_tc(B, DECODER_MAX, self.rec, self.state),
-                                         self._sample(self.lg[:B])))
+                                         self._sample(self.lg[:B], True)))
 
     def _forward_tc(self, B, M, rec, state, pdl=True):
         """The model over B rows (their records in rec, their ids in state[2:]), the products from bf16
@@ -4912,6 +4941,7 @@ class Decoder(Sampler):
         pl.check_prompt(Tn, self.ctx)
         assert 0 <= row < self.capacity, row
         self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
+        self.unis[row] = cp.asarray(self._uni[row])
         self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
         self._valid.discard(row)
         self._chain = False              # (a start writes the device's records and input ids)
@@ -4980,23 +5010,22 @@ class Decoder(Sampler):
             self._ahead, self._valid, self._chain = self._launch(rows, chained), set(rows.tolist()), True
 
     def _launch(self, rows, chained=False):
-        """Queues a step of rows from their host state (chained: their input ids the last step's on the
-        device) -> (rows, an event that completes once its ids are in its pinned buffer, that buffer)."""
+        """Queues a step of rows from their host state (chained: their input ids and records the last step's
+        on the device) -> (rows, an event that completes once the step has ended, where in _idsh its ids are)."""
         B = next(b for b in self.buckets if b >= len(rows))
         with self._on_stream():
             self._upload(rows, B, chained)
             self._step(B)
-            ids_h = self._ids_h[self._flip]
             self._flip ^= 1
-            return rows.copy(), self._copy_back((self.tokens, ids_h, len(rows))), ids_h
+            at = (self._rows[rows, self._POS] & 1) * self.capacity + np.arange(len(rows))
+            return rows.copy(), self.stream.record(), at
 
-    @staticmethod
-    def _wait(launched):
+    def _wait(self, launched):
         """Waits for a launched step -> (rows, None, a copy of its ids)."""
         rows, ev, ids = launched
         if ev is not None:
             ev.synchronize()
-            ids = ids[:len(rows)].copy()
+            ids = self._idsh[ids]
         return rows, None, ids
 
     def _settle(self):

@@ -408,11 +408,11 @@ def test_gpu_decoder_rows_are_their_requests_alone(name):
     """The GPU Decoder (serve's continuous batching): requests arriving at different steps, more of them than
     rows (some wait), rows freed and taken again, greedy and sampled, in a batch of more than MATVEC_ROWS rows
     (two matvec chunks), each give their ids alone, as four arriving at once do; Python launches give the
-    same; a row with NaN in its cache gets -1 while the others go on, and its row, freed, serves the next
-    request right. Alone, against the CPU engine's generate with the seed (held to test_reference.py;
-    peaked weights leave no near-ties for fp32): with bf16 products (sm_80 on) each greedy id, the first
-    (the prompts' pass) too, within DEC_GAP of the best; with matvec every id. (The self-test holds each
-    row's logits to the Sampler's.)"""
+    same, as do records sent from the host every step; a row with NaN in its cache gets -1 while the others
+    go on, and its row, freed, serves the next request right. Alone, against the CPU engine's generate with
+    the seed (held to test_reference.py; peaked weights leave no near-ties for fp32): with bf16 products
+    (sm_80 on) each greedy id, the first (the prompts' pass) too, within DEC_GAP of the best; with matvec
+    every id. (The self-test holds each row's logits to the Sampler's.)"""
     P = _peaky(name)
     rng, V = np.random.default_rng(11), P.cfg.vocab
     rules = [pl.Sampling(0), pl.Sampling(0.9, 40, 0.9), pl.Sampling(0.8, 0, 1.0, 1.3)]
@@ -433,7 +433,13 @@ def test_gpu_decoder_rows_are_their_requests_alone(name):
                 z = ne.forward(P, np.array([ids + w[:-1]], np.int32))[len(ids) - 1:]
                 gap = z.max(1) - z[np.arange(len(w)), w]
                 assert np.all(gap <= DEC_GAP * (z.max(1) - z.min(1))), gap
-    sizes, step = [], dec.step
+    # a step of the same rows as the step before takes its records (position, uniform number) from that step's
+    # sampling, on the device: the same ids as with the records and ids sent from the host every step
+    step, sampled = dec.step, [q for q in reqs if q[3].temperature > 0][:6]
+    dec.step = lambda rows: (setattr(dec, "_chain", False), step(rows))[1]
+    assert [pl.decode_requests(dec, [(0, *q[1:])])[0] for q in sampled] == [want[reqs.index(q)] for q in sampled]
+    del dec.step
+    sizes = []
     dec.step = lambda rows: (sizes.append(len(rows)), step(rows))[1]
     assert pl.decode_requests(dec, reqs) == want
     assert max(sizes) > nc.MATVEC_ROWS and len(set(sizes)) > 4, sizes     # two chunks; buckets of many sizes
