@@ -3937,9 +3937,9 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
             const int k = min(k0 + g * KPS, nk - 1);      // past the last key: a copy of it, scored -inf below
             ldv<8>(K + (i64)k * HD, kv[g]);
             ldv<8>(Vv + (i64)k * HD, vv[g]);
-            if (cosv != nullptr && k0 + g * KPS == nk - 1)
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
+            if (cosv != nullptr && k0 + g * KPS >= nk - 1)   // the new key, and its copies past it (the cache there
+#pragma unroll                                             // may be warp 0's append not yet landed: a former
+                for (int e = 0; e < 8; e++) {              // row's NaN times p = 0 would poison the sums)
                     kv[g][e] = kn[e];
                     vv[g][e] = vn[e];
                 }
