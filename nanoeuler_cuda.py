@@ -4907,6 +4907,7 @@ class Decoder(Sampler):
             seen[k, ids[k]] = 1
         lens = np.array([len(i) for i in ids])
         slots = np.array([it[0] + 1 for it in items])
+        self.unis[cp.asarray(slots - 1)] = cp.asarray(self._uni[slots - 1])    # (one copy for all)
         rows = np.stack([np.repeat(slots, lens), np.concatenate([np.arange(n) for n in lens]),   # (slot, pos, id)
                          np.concatenate(ids)], 1).astype(np.int32)
         last = np.cumsum(lens) - 1
@@ -4941,7 +4942,6 @@ class Decoder(Sampler):
         pl.check_prompt(Tn, self.ctx)
         assert 0 <= row < self.capacity, row
         self._uni[row, :self.ctx - Tn + 1] = np.random.default_rng(seed).random(self.ctx - Tn + 1)
-        self.unis[row] = cp.asarray(self._uni[row])
         self._drawn[row], self._rows[row] = 1, self._record(row + 1, Tn, sampling)
         self._valid.discard(row)
         self._chain = False              # (a start writes the device's records and input ids)
@@ -4955,6 +4955,7 @@ class Decoder(Sampler):
         Tn, s = len(ids), row + 1
         self._settle()                   # (the pinned buffers are free once the step ahead has landed)
         self._begin(row, Tn, sampling, seed)
+        self.unis[row] = cp.asarray(self._uni[row])
         self._drawn[row] = 0             # (the first id's number, drawn here)
         with self._on_stream():
             self._prefill(ids, 1, 1)                             # stream 0, as one stream alone
