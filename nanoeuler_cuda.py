@@ -1227,6 +1227,7 @@ extern "C" __global__ void swiglu_fwd_norm(const float* __restrict__ gu, const b
     const i64 n = blockIdx.y;
     const int f = blockIdx.x * blockDim.x + threadIdx.x, fl = min(f, F - 1);
     float xv[8][4];
+    dep_trigger();                                        // (dec_add after it loads its weights now)
     warp_row(x + n * D, D, xv);
     dep_wait();
     const float g0 = gu[n * 2 * F + fl], u0 = gu[n * 2 * F + F + fl], r = warp_row_rstd(xv, D);
@@ -1834,8 +1835,18 @@ def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
 # (Measured on an H200, B=16 T=512 Hq/Hkv=12/4 hd=64: fwd+bwd 0.19 ms against 1.29 for the fp32 kernel.)
 
 BF16_HEAD_DIMS = (32, 64, 128)
+MMA_SRC = r"""
+// c (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col): lane l holds a's rows l/4 and l/4+8, columns
+// 2(l%4)+{0,1} (a[0], a[1]) and +8 (a[2], a[3]); b's column l/4, rows 2(l%4)+{0,1} (b0) and +8 (b1); c's rows
+// l/4 (c[0], c[1]) and l/4+8 (c[2], c[3]), columns 2(l%4)+{0,1}. The tensor-core modules' (BF16_MODULES)
+__device__ __forceinline__ void fb_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
 FLASH_BF16_SRC = cuda_source("flash_bf16", ["flash_bf16_dpre"] + [
-    flash_name(kind, hd, bf16=True) for kind in ("fwd", "dq", "dkdv") for hd in BF16_HEAD_DIMS], r"""
+    flash_name(kind, hd, bf16=True) for kind in ("fwd", "dq", "dkdv") for hd in BF16_HEAD_DIMS], MMA_SRC + r"""
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l/8, row l%8
 __device__ __forceinline__ void fb_ldm4(unsigned r[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -1844,12 +1855,6 @@ __device__ __forceinline__ void fb_ldm4(unsigned r[4], const bf16* p) {
 __device__ __forceinline__ void fb_ldm4t(unsigned r[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(fb_sa(p)));
-}
-// c (16x8 fp32) += a (16x16 bf16, row) * b (16x8 bf16, col)
-__device__ __forceinline__ void fb_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // two floats -> bf16x2 (lo in the low half: the lower column index), round to nearest even
 __device__ __forceinline__ unsigned fb_pack(float lo, float hi) { return pack_bf2(lo, hi); }
@@ -3879,6 +3884,7 @@ template <int HD, int NW, int G, int GQ, typename TO> __device__ void attn_warps
     // the product; scaled below by its 1/rms of x (bf16), whose loads go out before dep_wait (x was written
     // before the product ahead of this kernel began) and land beside q|k|v's
     float xv[8][4];
+    dep_trigger();                                        // (a step's dec_add after it loads its weights now)
     if (xn != nullptr) warp_row(xn + n * D, D, xv);
     dep_wait();
     const i64 cb = rec ? rec[ROW_REC * b + ROW_SLOT] : b;   // the cache's stream (a Decoder's row: its slot)
@@ -4726,6 +4732,80 @@ class Sampler:
         return [out[:, r].tolist() for r in range(n)]
 
 
+# --- a Decoder step's residual products on tensor cores: x += a W^T for wo and w2 (dec_add). cuBLAS covers
+#     big's w2 (768 x 2048) with a few long tiles, 5.9-6.2 us a launch at any row count, and starts only once
+#     the kernel ahead has ended; dec_add splits K over the warps of 48 blocks (big) and loads its weights
+#     before dep_wait, while attention or SwiGLU still run (they let it start: dep_trigger). A step of big at
+#     1 / 64 rows: 0.472-0.506 / 0.582-0.616 -> 0.446 / 0.586 ms (H200, one process) ---
+
+DEC_ADD_SRC = cuda_source("dec_add", ["dec_add"], MMA_SRC + r"""
+// x (rows, N) bf16 += a (rows, K) bf16 W^T, W (N, K) bf16, fp32 sums (as cuBLAS: x = bf16(sum + x)). A block: 16
+// rows of W (the mma's A operand) by a tile of 16 rows of a (two n8 B operands; blockIdx.y), K in pairs of
+// k-steps (32 k) split over its 8 warps in fixed slices, each warp's partial sums added in warp order: a row's
+// sums are the same whatever the rows of the launch. In a pair each lane takes 8 consecutive k of its rows of W
+// and of a (16-byte loads): the first 4 as k-step one's k = 2t, 2t+1, 2t+8, 2t+9 (t = lane % 4), the rest as k-step
+// two's, the same order on both sides of the sum. A warp holds its first DA_PAIRS pairs of W in registers,
+// loaded before dep_wait (the weights stream in while the kernel ahead runs). Needs N % 16 == 0, K % 32 == 0.
+#define DA_WARPS 8
+#define DA_PAIRS 8
+extern "C" __global__ void __launch_bounds__(32 * DA_WARPS) dec_add(const bf16* __restrict__ W,
+                                                                   const bf16* __restrict__ a, bf16* __restrict__ x,
+                                                                   int N, int K) {
+    __shared__ float part[DA_WARPS][16][17];              // each warp's sums: 16 of W's rows x 16 rows of a
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16, r0 = blockIdx.y * 16, KP = K / 32, per = (KP + DA_WARPS - 1) / DA_WARPS;
+    const int p0 = min(warp * per, KP), p1 = min(p0 + per, KP);
+    const uint4* w0 = reinterpret_cast<const uint4*>(W + (i64)(n0 + g) * K + 8 * t);       // row g; + 8 K: g + 8
+    const uint4* x0 = reinterpret_cast<const uint4*>(a + (i64)(r0 + g) * K + 8 * t);       // row g; + 8 K: g + 8
+    const int K8 = K / 8;                                 // uint4s a row
+    uint4 wa[DA_PAIRS], wb[DA_PAIRS];
+#pragma unroll
+    for (int i = 0; i < DA_PAIRS; i++)
+        if (p0 + i < p1) { wa[i] = w0[(p0 + i) * 4]; wb[i] = w0[8 * K8 + (p0 + i) * 4]; }
+    dep_wait();
+    float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};    // rows r0 + 0..7, r0 + 8..15
+    for (int q = p0; q < p1; q += DA_PAIRS) {
+#pragma unroll
+        for (int i = 0; i < DA_PAIRS; i++) {
+            if (q + i >= p1) break;
+            if (q > p0) { wa[i] = w0[(q + i) * 4]; wb[i] = w0[8 * K8 + (q + i) * 4]; }
+            const uint4 xa = x0[(q + i) * 4], xb = x0[8 * K8 + (q + i) * 4];
+            const unsigned s1[4] = {wa[i].x, wb[i].x, wa[i].y, wb[i].y}, s2[4] = {wa[i].z, wb[i].z, wa[i].w, wb[i].w};
+            fb_mma(c0, s1, xa.x, xa.y);
+            fb_mma(c1, s1, xb.x, xb.y);
+            fb_mma(c0, s2, xa.z, xa.w);
+            fb_mma(c1, s2, xb.z, xb.w);
+        }
+    }
+    // c: lane holds W rows g (c[0], c[1]) and g + 8 (c[2], c[3]), rows of a 2t and 2t + 1 of its n8 tile
+    part[warp][g][2 * t] = c0[0];     part[warp][g][2 * t + 1] = c0[1];
+    part[warp][g + 8][2 * t] = c0[2]; part[warp][g + 8][2 * t + 1] = c0[3];
+    part[warp][g][8 + 2 * t] = c1[0];     part[warp][g][8 + 2 * t + 1] = c1[1];
+    part[warp][g + 8][8 + 2 * t] = c1[2]; part[warp][g + 8][8 + 2 * t + 1] = c1[3];
+    __syncthreads();
+    const int f = threadIdx.x & 15, r = threadIdx.x >> 4;  // 256 threads: one (W row, row of a) each
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < DA_WARPS; w++) sum += part[w][f][r];
+    bf16* o = x + (i64)(r0 + r) * N + n0 + f;
+    *o = f2bf(sum + bf2f(*o));
+}
+""")
+
+
+def dec_add_fits(W, a):
+    """Whether dec_add takes the product of a with W (N, K): its shape, and 16-byte rows."""
+    return W.shape[0] % 16 == 0 and W.shape[1] % 32 == 0 and W.data.ptr % 16 == 0 and a.data.ptr % 16 == 0
+
+
+def dec_add(x, a, W, rows):
+    """x[:rows'] += a[:rows'] W^T (all bf16; rows' = rows rounded up to 16: x and a must hold them), a
+    programmatic launch (see DEC_ADD_SRC)."""
+    (N, K), tiles = W.shape, -(-rows // 16)
+    assert dec_add_fits(W, a) and x.shape[1] == N and a.shape[1] == K and min(x.shape[0], a.shape[0]) >= 16 * tiles
+    launch(_k("dec_add"), (N // 16, tiles), (256,), (W, a, x, I32(N), I32(K)))
+
+
 DECODER_MAX = 64                              # a Decoder's rows (concurrent requests) at most
 DECODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)    # a step's rows rounded up to one of these: a CUDA graph each
 DECODER_MEMORY = 0.5                          # the part of the free device memory a default Decoder's caches take
@@ -4752,9 +4832,9 @@ class Decoder(Sampler):
     it. A step runs the active rows as the smallest bucket of DECODER_BUCKETS that holds them (the rows past them:
     stream 0 at position 0, greedy; what they write no live row reads), a CUDA graph each. Both take _forward_tc:
     a bf16 residual stream, every product on the tensor cores from bf16 weights (the norms' folded in), cuBLAS
-    at a fixed number of rows (DECODER_MAX a step, _mp a pass), each row's attention over its own slot (a step:
-    attn_warps, which rotates and appends the row; a pass: rope_store, then attn_warps), then sample_tokens per
-    row. On a GPU without bf16 every product is matvec's,
+    at a fixed number of rows (DECODER_MAX a step, _mp a pass; a step's wo and w2: dec_add), each row's
+    attention over its own slot (a step: attn_warps, which rotates and appends the row; a pass: rope_store, then
+    attn_warps), then sample_tokens per row. On a GPU without bf16 every product is matvec's,
     every attention a lone row's, and a prompt the Sampler's prefill as one stream, copied to the row's slot; a
     row's ids there equal the Sampler's for its prompt. Each row takes one uniform number a step (its first id too),
     greedy or not, the Sampler's numbers in its order: drawn at start, as many as the context leaves (rng.random(n)
@@ -4863,7 +4943,8 @@ class Decoder(Sampler):
         0.60 ms). Its roundings add little: a float64 emulation over tiny's and small's requests gives the logits
         within 9.0e-3 / 1.8e-2 of fp32's, against 7.3e-3 / 1.7e-2 with an fp32 residual. In a step
         attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer); in a pass (pdl=False,
-        see attn_cached) rope_store first; -> the logits of the M rows in lg."""
+        see attn_cached) rope_store first. A step's wo and w2 take dec_add (B rows; its sums, too, the same
+        for a row whatever the rows), a pass's cuBLAS; -> the logits of the M rows in lg."""
         cfg, P, Pb = self.cfg, self.P, self.Pb
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         xb, hb, qkv, r = self.xb[:B], self.hb[:B], self.qkv[:B], self.r[:B]
@@ -4879,12 +4960,19 @@ class Decoder(Sampler):
                 rmsnorm_fwd(xb, None, None, r, pdl=pdl)                                # the rows' 1/rms alone
                 rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec, rs=r)
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
-            mm(self.xb[:M], self.attb[:M], Pb.rows(p + "wo", p + "wo"), tb=True, beta=1.0)  # x += attention
+            self._add(self.xb, self.attb, Pb[p + "wo"], B, M, pdl)                # x += attention
             mm(self.gu[:M], self.xb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
             swiglu_norm(self.gu[:B], xb, self.actb[:B])
-            mm(self.xb[:M], self.actb[:M], Pb.rows(p + "w2", p + "w2"), tb=True, beta=1.0)  # x += ffn
+            self._add(self.xb, self.actb, Pb[p + "w2"], B, M, pdl)                # x += ffn
         rmsnorm_fwd(xb, P["norm"], hb, r, pdl=True)
         mm(self.lg[:M], self.hb[:M], Pb.rows("heads.0", "heads.0"), tb=True)
+
+    def _add(self, x, a, W, B, M, step):
+        """x += a W^T: a step's by dec_add (its B rows, whatever B: each row's sums the same), a pass's and
+        any dec_add does not fit by cuBLAS (M rows)."""
+        if step and dec_add_fits(W, a):
+            return dec_add(x, a, W, B)
+        mm(x[:M], a[:M], W, tb=True, beta=1.0)
 
     def _prompts(self):
         """The pass of prompt rows uploaded to _pass, as one graph."""
@@ -5410,7 +5498,9 @@ def _find_nvrtc():
 
 
 ARCHS = ("75", "80", "86", "89", "90")     # the chips CI compiles for: T4 / RTX 20, A100, RTX 30, RTX 40 / L4, H100
-BF16_MODULES = ("flash_bf16",)             # the tensor-core kernels (mma.sync bf16): sm_80 on, bf16 only
+
+
+BF16_MODULES = ("flash_bf16", "dec_add")   # the tensor-core kernels (mma.sync bf16): sm_80 on, bf16 only
 
 
 def sources_for(arch):
@@ -5924,6 +6014,16 @@ def selftest_checks_bf16(rng):
             eb = max(eb, rel_err(Cb, A @ Bm.T))
     R.append(("gemm bf16 -> fp32 (gemmEx, 4 transposes, beta=1)", e32, 1e-4))
     R.append(("gemm bf16 -> bf16 (gemmEx, 4 transposes)", eb, TB))
+    # dec_add: x += a W^T on tensor cores, K = 65 pairs (warps of 9 pairs, more than a warp's registers hold,
+    # and one of 2); row 0's bits in a launch of one tile of rows and of three
+    N, Kk, rows = 48, 2080, 40
+    W, a, x0 = _rb(randn(N, Kk)), _rb(randn(48, Kk)), _rb(randn(48, N) * 4)
+    x, x1 = _db(x0), _db(x0)
+    dec_add(x, _db(a), _db(W), rows)
+    dec_add(x1, _db(a), _db(W), 1)
+    R.append(("dec_add: a step's x += a W^T (bf16 x, tensor cores, K over 8 warps)",
+              rel_err(x[:rows], x0[:rows] + a[:rows] @ W.T), TB))
+    R.append(("  its row 0 in a launch of 1 row == of 40 (bits differing)", float(cp.count_nonzero(x1[0] != x[0])), 0))
     # RMSNorm: fp32 residual plus a bf16 branch in, bf16 h out; backward from a bf16 dy, with and without the
     # bf16 copy of dx
     for N, D in ((600, 72), (130, 1024)):

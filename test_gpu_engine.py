@@ -43,7 +43,7 @@ def test_every_kernel_compiles_with_nvrtc(arch):
         return
     # the kernel registry (each source declared with its kernels' names) against the sources' own text
     defined = [(name, mod) for mod, code in nc.SOURCES.items() for name in nc.kernel_names(code)]
-    assert len(defined) == len(nc.KERNELS) == 134 and dict(defined) == nc.KERNELS
+    assert len(defined) == len(nc.KERNELS) == 135 and dict(defined) == nc.KERNELS
 
 
 H200_PEAKS = {("bf16", "flash", 16): 5.44, ("bf16", "flash", 64): 15.62,   # GiB, big T=512: bench's peak pool
