@@ -28,7 +28,8 @@ Sections (each begins with a bar and the same number and name):
     4. optimiser: AdamW and Muon (--optim muon) with their kernels
     5. training: Trainer, train and resume
     6. generation: the decode kernels by concern (products, cache attention, sampling, speculation)
-       beside the Sampler that launches them, and the Decoder of serve's batch
+       beside the Sampler that launches them, and the Decoder of serve's batch (with its steps' residual
+       products on tensor cores, dec_add)
     7. fine-tuning and evaluation: SFT, chat, serve, DPO, eval, plot
     8. verification: the NVRTC compile check, the self-test, the gradient check
     9. bench: training, attention and generation speed, and serve's batch
