@@ -5499,8 +5499,6 @@ def _find_nvrtc():
 
 
 ARCHS = ("75", "80", "86", "89", "90")     # the chips CI compiles for: T4 / RTX 20, A100, RTX 30, RTX 40 / L4, H100
-
-
 BF16_MODULES = ("flash_bf16", "dec_add")   # the tensor-core kernels (mma.sync bf16): sm_80 on, bf16 only
 
 
@@ -5795,12 +5793,12 @@ def selftest_generation(rng, randn, tol):
     d, Hq3, Hkv3, S, n = 64, 6, 2, 5, 81
     slots, at = np.array([3, 0, 4, 1, 2]), np.array([10, 0, 79, 33, 5])
     kc3, vc3, q3, o3 = randn(S, Hkv3, n, d), randn(S, Hkv3, n, d), randn(S, (Hq3 + 2 * Hkv3) * d), _nan(S, Hq3 * d)
-    xr = bf16_float(bf16_bits(randn(S, 96) * 3)).astype(np.float64)
+    xr = _rb(randn(S, 96) * 3)
     recs = np.zeros((S, DEC_REC), np.int32)
     recs[:, DEC_FIELDS.index("SLOT")], recs[:, DEC_FIELDS.index("POS")] = slots, at
     c64, kd, vd = pl.rope_tables(n, d, np.float64), _d(kc3), _d(vc3)
     attn_cached(_d(q3), kd, vd, o3, st0, 1, Hq3, Hkv3, d, tuple(_d(a.astype(np.float32)) for a in c64),
-                cp.asarray(recs.ravel()), xn=cp.asarray(bf16_bits(xr)))
+                cp.asarray(recs.ravel()), xn=_db(xr))
     q3 = q3 / np.sqrt((xr * xr).mean(1, keepdims=True) + pl.RMS_EPS)
     want, ea = np.zeros((S, Hq3 * d)), 0.0
     for i, (sl, p) in enumerate(zip(slots, at)):
