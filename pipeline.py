@@ -568,19 +568,17 @@ class Sampling:
         return z
 
     def probs(self, logits, history=()):
-        """The (V,) float64 distribution that sample() draws from (one-hot at the argmax when greedy). Without
-        a history, greedy or top_p (a rule of temperature and top_k alone), logits may be (n, V): n rows at
-        once, each as it would be alone (serve's Decoder)."""
+        """The (V,) float64 distribution that sample() draws from (one-hot at the argmax when greedy)."""
         z = self._penalised(logits, history)
         if self.temperature <= 0:
             p = np.zeros_like(z)
             p[np.argmax(z)] = 1.0
             return p
         z /= self.temperature
-        if self.top_k and self.top_k < z.shape[-1]:
-            z[z < np.partition(z, -self.top_k, axis=-1)[..., -self.top_k, None]] = -np.inf
-        p = np.exp(z - z.max(axis=-1, keepdims=True))
-        p /= p.sum(axis=-1, keepdims=True)
+        if self.top_k and self.top_k < len(z):
+            z[z < np.partition(z, -self.top_k)[-self.top_k]] = -np.inf
+        p = np.exp(z - z.max())
+        p /= p.sum()
         if self.top_p < 1.0:
             order = np.argsort(-p, kind="stable")
             keep = np.searchsorted(np.cumsum(p[order]), self.top_p) + 1       # the smallest prefix reaching top_p
@@ -605,18 +603,11 @@ class Sampling:
 
 
 def draw(p, rng):
-    """One id from the distribution p (V,), by inverting its cumulative sum at one uniform number."""
-    return int(draw_rows(p[None], [rng])[0])
-
-
-def draw_rows(p, rngs):
-    """draw() of each row of p (n, V), row i with its own generator rngs[i], in one pass (8 rows of 512 ids:
-    51 us against 100 one by one): the cumulative sums are each row's own (numpy adds along a row in order),
-    and the id is the count of sums at or below the point (they never decrease: p >= 0), as searchsorted
-    would find it (side="right"), capped at V - 1."""
-    cdf = np.cumsum(p, axis=-1)
-    u = np.array([rng.random() for rng in rngs]) * cdf[:, -1]
-    return np.minimum((cdf <= u[:, None]).sum(axis=-1), p.shape[-1] - 1)
+    """One id from the distribution p (V,), by inverting its cumulative sum at one uniform number: the count
+    of sums at or below the point (they never decrease: p >= 0), as searchsorted would find it
+    (side="right"), capped at V - 1."""
+    cdf = np.cumsum(p)
+    return min(int((cdf <= rng.random() * cdf[-1]).sum()), len(p) - 1)
 
 
 def speculative_decode(forward, cut, prompt_ids, max_new, sampling, rng, stats, n_mtp, ctx):

@@ -626,9 +626,9 @@ def test_top_k_samples_only_the_k_likeliest_in_their_proportions():
     assert draw(5000, 1.0, 8).min() > 0                        # k >= vocabulary: every id can come
 
 
-def test_rows_draw_as_each_row_alone():
-    """serve's CPU batch draws its rows at once (pl.draw_rows): each row's id is the inverse of its own
-    cumulative sum at its own generator's uniform, as searchsorted finds it, zeros and ties included."""
+def test_draw_inverts_the_cumulative_sum():
+    """pl.draw's id is the inverse of the cumulative sum at the generator's uniform, as searchsorted finds
+    it, zeros and ties included."""
     rng = np.random.default_rng(0)
     for V in (2, 8, 300, 4096):
         p = rng.random((9, V)) ** 4
@@ -637,11 +637,11 @@ def test_rows_draw_as_each_row_alone():
         p[3, V // 2] = 1.0                                      # a one-hot row
         p /= np.maximum(p.sum(axis=1, keepdims=True), 1e-300)
         for seed in range(20):
-            rngs, refs = ([np.random.default_rng((seed, i)) for i in range(9)] for _ in range(2))
-            cdfs = [np.cumsum(row) for row in p]
-            want = [min(int(np.searchsorted(c, g.random() * c[-1], side="right")), V - 1) for c, g in zip(cdfs, refs)]
-            assert pl.draw_rows(p, rngs).tolist() == want
-            assert pl.draw(p[seed % 9], np.random.default_rng((seed, seed % 9))) == want[seed % 9]
+            for i, row in enumerate(p):
+                c = np.cumsum(row)
+                point = np.random.default_rng((seed, i)).random() * c[-1]
+                want = min(int(np.searchsorted(c, point, side="right")), V - 1)
+                assert pl.draw(row, np.random.default_rng((seed, i))) == want
 
 
 def test_low_temperature_concentrates():

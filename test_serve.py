@@ -391,16 +391,17 @@ def test_decoder_rows_are_the_same_alone_or_interleaved(model):
 
 
 def test_decoder_samples_rows_together_as_sampling_does_one_by_one():
-    """The CPU Decoder draws the rows of one plain rule (temperature, top-k) together: each row's id is
-    pl.Sampling.sample's on that row with the row's own generator, to the id, over 300 draws of 12 rows of
-    mixed rules and logits of several scales (ties and huge gaps included)."""
+    """The CPU Decoder draws the rows of plain rules (temperature, top-k) together in a kernel of its own
+    (_draw_plain): each row's id is pl.Sampling.sample's on that row with the row's own generator, to the id,
+    over 300 draws of 12 rows of mixed rules and logits of several scales (ties and huge gaps included)."""
     P = pl.Params.init(pl.CONFIGS["tiny"], 0)
-    rules = [pl.Sampling(0.7, 0), pl.Sampling(1.3, 5), pl.Sampling(1.0, 40), pl.Sampling(0), pl.Sampling(0.9, 40, 0.8)]
+    rules = [pl.Sampling(0.7, 0), pl.Sampling(1.3, 5), pl.Sampling(1.0, 40), pl.Sampling(0), pl.Sampling(0.9, 40, 0.8),
+             pl.Sampling(1.1, 1), pl.Sampling(0.8, 300)]
     rng = np.random.default_rng(0)
     dec = ne.Decoder(P, 12)
     for r in range(12):
-        dec.rows[r] = [rules[r % 5], np.random.default_rng(r), [1, 2, 3]]
-    ref = [(rules[r % 5], np.random.default_rng(r), [1, 2, 3]) for r in range(12)]
+        dec.rows[r] = [rules[r % 7], np.random.default_rng(r), [1, 2, 3]]
+    ref = [(rules[r % 7], np.random.default_rng(r), [1, 2, 3]) for r in range(12)]
     for k in range(300):
         logits = (rng.standard_normal((12, P.cfg.vocab)) * (0.1, 1, 10, 100)[k % 4]).astype(np.float32)
         logits[:, :3] = logits[:, 3:4]                   # ties
