@@ -270,6 +270,21 @@ def test_batched_generation_is_independent_streams():
     assert np.allclose(got, alone, rtol=1e-5, atol=1e-4)
 
 
+def test_a_prefill_may_run_the_head_on_its_last_row_alone():
+    """forward_cached(last=True), the CPU Decoder's prefill, runs head 0 on the last row only: its logits are
+    the whole forward's last row to float32 rounding (a product of one column, not of five) and its cache
+    holds the same bits."""
+    P = pl.Params.init(pl.CONFIGS["tiny"], 3)
+    P.flat *= 4
+    ids = [5, 17, 42, 7, 9]
+    a, b = ne.KVCache(P.cfg), ne.KVCache(P.cfg)
+    whole = ne.forward_cached(P, ids, a)
+    last = ne.forward_cached(P, ids, b, last=True)
+    assert last.shape == (P.cfg.vocab,) and np.allclose(last, whole[-1], rtol=1e-5, atol=1e-4)
+    assert not np.allclose(last, whole[-2], rtol=1e-2, atol=1e-2)
+    assert a.len == b.len == 5 and np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+
+
 def test_top_p_and_repetition_penalty_by_hand():
     logits = np.log([0.5, 0.3, 0.15, 0.05])
     assert pl.Sampling(1.0, 0, top_p=0.7).probs(logits) == pytest.approx([0.625, 0.375, 0, 0])

@@ -441,10 +441,10 @@ def test_a_row_whose_logits_go_nan_fails_alone(model, workers):
         assert [g[r] for g in got] == list(ne.generate(P, prompts[r], 4, sampling=GREEDY))
 
     class Poisoned(ne.Decoder):                          # the row of a prompt holding "poison": -1 at its 3rd id
-        def start(self, row, ids, sampling, seed):
+        def starts(self, items):
             self.poisoned = getattr(self, "poisoned", {})
-            self.poisoned[row] = "poison" in tok.decode(ids) and 2
-            return super().start(row, ids, sampling, seed)
+            self.poisoned.update({row: "poison" in tok.decode(ids) and 2 for row, ids, *_ in items})
+            return super().starts(items)
 
         def step(self, rows):
             ids = super().step(rows)
