@@ -1143,7 +1143,7 @@ class Decoder:
     def __init__(self, P, capacity):
         cfg = P.cfg
         self.P, self.capacity, self.ctx = P, capacity, cfg.ctx
-        self.ones = [KVCache(cfg, 1, P.flat.dtype) for _ in range(n_threads())]   # a prompt's prefill, per thread
+        self.ones = [KVCache(cfg, 1, P.flat.dtype) for _ in range(min(n_threads(), capacity))]   # a prefill a thread
         shape = (cfg.n_layers, capacity, cfg.n_kv_heads, cfg.ctx, cfg.head_dim)
         self.k, self.v = np.zeros(shape, P.flat.dtype), np.zeros(shape, P.flat.dtype)   # position-major rows
         self.len = np.zeros(capacity, np.int32)                # each row's cached positions
