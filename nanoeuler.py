@@ -843,7 +843,7 @@ def forward_cached(P, ids, cache, offsets=None, heads=None, last=False):
         gu = _mm(P.rows(L + "w1", L + "w3"), h, N)                              # (2F, C): [g; u], flat [g | u]
         x += _mm(P[L + "w2"], swiglu_forward(gu.reshape(1, -1)).reshape(-1, C), N)[:, :N].T
     cache.len = start + Tn
-    if last:                                                                    # (a prefill: 5% of it)
+    if last:                                      # a prefill: the other rows' logits, never read, were 5% of it
         _rmsnorm_fwd(x[-1:], P["norm"], hN[-1:], rstd[-1:])
         return _mm(P["heads.0"], h[:, N - 1:N], 1)[:, 0]
     _rmsnorm_fwd(x, P["norm"], hN, rstd)
@@ -1174,7 +1174,7 @@ class Decoder:
                 self.k[:, row, :, :n] = one.k[:, 0, :, :, :n].transpose(0, 1, 3, 2)
                 self.v[:, row, :, :n] = one.v[:, 0, :, :, :n].transpose(0, 1, 3, 2)
         per_part(prefill, len(items))
-        for (row, ids, sampling, seed) in items:
+        for row, ids, sampling, seed in items:
             self.len[row] = len(ids)
             self.rows[row] = [sampling, np.random.default_rng(seed), list(ids)]
         return [int(t) for t in self._sample([it[0] for it in items], np.stack(logits))]

@@ -537,12 +537,15 @@ I32, F32 = np.int32, np.float32
 NULL = np.uint64(0)     # a null pointer argument
 
 
-def _pinned(n, dtype=np.int32):
-    """A page-locked host array (asynchronous copies), or a plain one if CuPy cannot provide it."""
+def _pinned(n, dtype=np.int32, device=False):
+    """A page-locked host array (asynchronous copies), or a plain one if CuPy cannot provide it (device: one
+    that kernels write, which only page-locked memory can be)."""
     try:
         import cupyx
         return cupyx.empty_pinned((n,), dtype)
     except Exception:
+        if device:
+            raise
         return np.empty(n, dtype)
 
 
@@ -4876,8 +4879,8 @@ class Decoder(Sampler):
         self.rec, self.state = self._dev[:nr], self._dev[nr:]
         self._up = [_pinned(nr + 2 + capacity) for _ in range(2)]   # its host side, two, one for each step in
         self._flip = 0                                                # flight: the one the next launch takes
-        import cupyx                     # each step's ids, which its sampling writes: a half for each step in
-        self._idsh = cupyx.empty_pinned((2 * capacity,), np.int32)  # flight (a row's position's parity)
+        self._idsh = _pinned(2 * capacity, device=True)   # each step's ids, which its sampling writes: a half
+                                                          # for each step in flight (a row's position's parity)
         self.unis = cp.zeros((capacity, self.ctx + 1), np.float32)  # each row's uniform numbers, as _uni
         self._rows = np.zeros((capacity, DEC_REC), np.int32)      # each row's record (its uniform: set each step)
         self._pad = self._record(0, 0, pl.Sampling(0))            # a bucket's rows past the active ones
