@@ -1054,7 +1054,7 @@ def _rows_attention(qkv, K, V, slots, pos, cos, sin, out):
             k[r, h] = qkv[r, (Hq + h) * hd:(Hq + h + 1) * hd]
     _rope(q, pos, cos, sin, 1.0)
     _rope(k, pos, cos, sin, 1.0)
-    scale = K.dtype.type(1.0 / math.sqrt(hd))
+    scale, zero = K.dtype.type(1.0 / math.sqrt(hd)), K.dtype.type(0.0)
     p = np.empty(ctx, K.dtype)
     for r in range(n):
         s, e = slots[r], pos[r] + 1
@@ -1063,15 +1063,29 @@ def _rows_attention(qkv, K, V, slots, pos, cos, sin, out):
             V[s, h, e - 1] = qkv[r, (Hq + Hkv + h) * hd:(Hq + Hkv + h + 1) * hd]
         for h in range(Hq):
             Kh, Vh, qh = K[s, h // G], V[s, h // G], q[r, h]
-            for j in range(e):
-                acc = K.dtype.type(0.0)
+            for j in range(0, e - 3, 4):           # four positions a pass: the loop's overhead (and below, o's
+                K0, K1, K2, K3 = Kh[j], Kh[j + 1], Kh[j + 2], Kh[j + 3]     # loads and stores) shared by four
+                a0 = a1 = a2 = a3 = zero
+                for i in range(hd):
+                    a0 += qh[i] * K0[i]
+                    a1 += qh[i] * K1[i]
+                    a2 += qh[i] * K2[i]
+                    a3 += qh[i] * K3[i]
+                p[j], p[j + 1], p[j + 2], p[j + 3] = a0, a1, a2, a3
+            for j in range(e - e % 4, e):
+                acc = zero
                 for i in range(hd):
                     acc += qh[i] * Kh[j, i]
                 p[j] = acc
             _softmax(p, e, scale)
             o = out[r, h * hd:(h + 1) * hd]
             o[:] = 0.0
-            for j in range(e):
+            for j in range(0, e - 3, 4):
+                p0, p1, p2, p3 = p[j], p[j + 1], p[j + 2], p[j + 3]
+                V0, V1, V2, V3 = Vh[j], Vh[j + 1], Vh[j + 2], Vh[j + 3]
+                for i in range(hd):
+                    o[i] += p0 * V0[i] + p1 * V1[i] + p2 * V2[i] + p3 * V3[i]
+            for j in range(e - e % 4, e):
                 pj = p[j]
                 for i in range(hd):
                     o[i] += pj * Vh[j, i]
