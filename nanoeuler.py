@@ -504,9 +504,8 @@ def per_part(fn, n):
     the shards of rows of a batch, or the parts of a flat buffer."""
     k = min(n, n_threads())
     parts = [slice(i * n // k, (i + 1) * n // k) for i in range(k)]
-    if k == 1:
-        return [fn(0, parts[0])]
-    return list(_thread_pool().map(fn, range(k), parts))
+    rest = [_thread_pool().submit(fn, i, parts[i]) for i in range(1, k)]
+    return [fn(0, parts[0])] + [f.result() for f in rest]      # part 0 on this thread, not waiting idle
 
 
 def _batch_losses(cfg, shard_ces):
@@ -1148,9 +1147,10 @@ class Decoder:
     """serve's decoder on this engine (serve.py's Decoder): `capacity` rows, each a KV cache slot, its own
     position, sampling rule, history and random generator. starts() prefills each row alone (forward_cached,
     as generate does, then its keys and values go to the row's slot); step() runs every given row's next
-    token in one call (_rows_forward). A row samples as generate does, by its pl.Sampling with its own
-    generator (_draw_plain for temperature and top-k alone): one uniform a sampled token, none greedy; so a
-    row alone follows generate with the same seed draw for draw (the logits agree to float32 rounding:
+    token, its rows in fours split over the threads (per_part), a _rows_forward call a part (a row's sums
+    are the same in any part). A row samples as generate does, by its pl.Sampling with its own generator
+    (_draw_plain for temperature and top-k alone): one uniform a sampled token, none greedy; so a row alone
+    follows generate with the same seed draw for draw (the logits agree to float32 rounding:
     generate's step is a BLAS product and attention over KVCache's layout, this one _rows_mm and
     _rows_attention)."""
 
@@ -1197,9 +1197,13 @@ class Decoder:
         slots = np.asarray(rows, np.int64)
         pos = self.len[slots]
         assert pos.max() < self.ctx, "a row past the context"      # (the kernels write its key unchecked)
-        ids = np.array([self.rows[r][2][-1] for r in rows])
-        c = self.ones[0]
-        logits = _rows_forward(ids, slots, pos, self.P["tok_emb"], self.mats, self.norms, self.k, self.v, c.cos, c.sin)
+        ids, c, n = np.array([self.rows[r][2][-1] for r in rows]), self.ones[0], len(rows)
+
+        def part(i, fours):                              # rows of whole passes of four, a part per thread
+            p = slice(4 * fours.start, min(4 * fours.stop, n))
+            return _rows_forward(ids[p], slots[p], pos[p], self.P["tok_emb"], self.mats, self.norms, self.k, self.v,
+                                 c.cos, c.sin)
+        logits = np.concatenate(per_part(part, (n + 3) // 4))         # (only the last part has padding rows)
         self.len[slots] += 1
         return self._sample(rows, logits)
 
