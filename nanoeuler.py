@@ -837,14 +837,16 @@ def forward_cached(P, ids, cache, offsets=None, heads=None, last=False):
         _rmsnorm_fwd(x, P[L + "attn_norm"], hN, rstd)
         qkv = _mm(P.rows(L + "wq", L + "wv"), h, N)
         _cache_attention(qkv, cache.k[i], cache.v[i], start, off, cache.cos, cache.sin, a)
-        x += _mm(P[L + "wo"], a, N)[:, :N].T
+        if last and i == cfg.n_layers - 1:       # a prefill: past the cache's keys and values, the last layer
+            x, a, h, hN, rstd, N, C = x[-1:], a[:, N - 1:N], h[:, N - 1:N], hN[-1:], rstd[-1:], 1, 1   # needs
+        x += _mm(P[L + "wo"], a, N)[:, :N].T                                   # its last row alone
         _rmsnorm_fwd(x, P[L + "ffn_norm"], hN, rstd)
         gu = _mm(P.rows(L + "w1", L + "w3"), h, N)                              # (2F, C): [g; u], flat [g | u]
         x += _mm(P[L + "w2"], swiglu_forward(gu.reshape(1, -1)).reshape(-1, C), N)[:, :N].T
     cache.len = start + Tn
-    if last:                                      # a prefill: the other rows' logits, never read, were 5% of it
-        _rmsnorm_fwd(x[-1:], P["norm"], hN[-1:], rstd[-1:])
-        return _mm(P["heads.0"], h[:, N - 1:N], 1)[:, 0]
+    if last:                                      # and so the head (the other rows' logits were 5% of it)
+        _rmsnorm_fwd(x, P["norm"], hN, rstd)
+        return _mm(P["heads.0"], h, 1)[:, 0]
     _rmsnorm_fwd(x, P["norm"], hN, rstd)
     k = heads or 1
     logits = np.empty((k, cfg.vocab, C), x.dtype)

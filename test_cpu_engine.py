@@ -271,18 +271,19 @@ def test_batched_generation_is_independent_streams():
 
 
 def test_a_prefill_may_run_the_head_on_its_last_row_alone():
-    """forward_cached(last=True), the CPU Decoder's prefill, runs head 0 on the last row only: its logits are
-    the whole forward's last row to float32 rounding (a product of one column, not of five) and its cache
-    holds the same bits."""
+    """forward_cached(last=True), the CPU Decoder's prefill, runs head 0 and the last layer past its keys and
+    values on the last row only: its logits are the whole forward's last row to float32 rounding (products
+    of one column, not of five) and its cache holds the same bits; also for a prompt narrower than the
+    products' padded columns."""
     P = pl.Params.init(pl.CONFIGS["tiny"], 3)
     P.flat *= 4
-    ids = [5, 17, 42, 7, 9]
-    a, b = ne.KVCache(P.cfg), ne.KVCache(P.cfg)
-    whole = ne.forward_cached(P, ids, a)
-    last = ne.forward_cached(P, ids, b, last=True)
-    assert last.shape == (P.cfg.vocab,) and np.allclose(last, whole[-1], rtol=1e-5, atol=1e-4)
-    assert not np.allclose(last, whole[-2], rtol=1e-2, atol=1e-2)
-    assert a.len == b.len == 5 and np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+    for ids in ([5, 17, 42, 7, 9], [5, 17]):
+        a, b = ne.KVCache(P.cfg), ne.KVCache(P.cfg)
+        whole = ne.forward_cached(P, ids, a)
+        last = ne.forward_cached(P, ids, b, last=True)
+        assert last.shape == (P.cfg.vocab,) and np.allclose(last, whole[-1], rtol=1e-5, atol=1e-4)
+        assert not np.allclose(last, whole[-2], rtol=1e-2, atol=1e-2)
+        assert a.len == b.len == len(ids) and np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
 
 
 def test_top_p_and_repetition_penalty_by_hand():
