@@ -828,7 +828,7 @@ def forward_cached(P, ids, cache, offsets=None, heads=None, last=False):
     N, C = n * Tn, max(n * Tn, DECODE_COLUMNS)
     off = np.arange(Tn, dtype=np.int32) if offsets is None else np.asarray(offsets, np.int32)
     start = cache.len
-    assert start + Tn <= cfg.ctx and n == cache.k.shape[1]
+    assert start + Tn <= cfg.ctx and n == cache.k.shape[1] and (single or not last)    # (last: one prompt)
     x = embedding_forward(P["tok_emb"], ids)                                    # (N, D), row-major
     h, a = np.zeros((cfg.dim, C), x.dtype), np.zeros((cfg.n_heads * cfg.head_dim, C), x.dtype)   # feature-major
     hN, rstd = h[:, :N].T, np.empty(N, x.dtype)                                 # h's rows, for the norms to write
