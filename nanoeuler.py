@@ -844,10 +844,9 @@ def forward_cached(P, ids, cache, offsets=None, heads=None, last=False):
         gu = _mm(P.rows(L + "w1", L + "w3"), h, N)                              # (2F, C): [g; u], flat [g | u]
         x += _mm(P[L + "w2"], swiglu_forward(gu.reshape(1, -1)).reshape(-1, C), N)[:, :N].T
     cache.len = start + Tn
-    if last:                                      # and so the head (the other rows' logits were 5% of it)
-        _rmsnorm_fwd(x, P["norm"], hN, rstd)
-        return _mm(P["heads.0"], h, 1)[:, 0]
     _rmsnorm_fwd(x, P["norm"], hN, rstd)
+    if last:                                      # and so the head (the other rows' logits were 5% of it)
+        return _mm(P["heads.0"], h, 1)[:, 0]
     k = heads or 1
     logits = np.empty((k, cfg.vocab, C), x.dtype)
     _mm(P["heads.0"], h, N, logits[0])                                         # head 0 alone, as in plain decoding
