@@ -827,18 +827,22 @@ template <int VEC> __device__ __forceinline__ void stbf(bf16* p, const float* f)
         *reinterpret_cast<unsigned*>(p) = pack_bf2(f[0], f[1]);
     }
 }
-// VEC consecutive values of either type <-> floats: fp32 16 bytes at a time (VEC a multiple of 4), bf16 as above
+// VEC consecutive values of either type <-> floats: fp32 16 bytes at a time (VEC 1 or a multiple of 4), bf16 as above
 template <int VEC> __device__ __forceinline__ void ldv(const float* p, float* f) {
+    if constexpr (VEC == 1) f[0] = *p;
+    else
 #pragma unroll
-    for (int e = 0; e < VEC; e += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(p + e);
-        f[e] = q.x; f[e + 1] = q.y; f[e + 2] = q.z; f[e + 3] = q.w;
-    }
+        for (int e = 0; e < VEC; e += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(p + e);
+            f[e] = q.x; f[e + 1] = q.y; f[e + 2] = q.z; f[e + 3] = q.w;
+        }
 }
 template <int VEC> __device__ __forceinline__ void ldv(const bf16* p, float* f) { ldbf<VEC>(p, f); }
 template <int VEC> __device__ __forceinline__ void stv(float* p, const float* f) {
+    if constexpr (VEC == 1) *p = f[0];
+    else
 #pragma unroll
-    for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+        for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(p + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
 }
 template <int VEC> __device__ __forceinline__ void stv(bf16* p, const float* f) { stbf<VEC>(p, f); }
 // A row of D bf16 values (D <= 1024, D % 4 == 0) in a warp's registers, 8 x 4 a lane (zeros past D), and its
@@ -2827,8 +2831,10 @@ extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, 
     }
 }
 // AdamW over the flat buffer in one pass; with WB (the bf16 path) it also writes the bf16 copy of each
-// updated weight that the GEMMs read, so the copy never needs a pass of its own
-template <bool WB>
+// updated weight that the GEMMs read, so the copy never needs a pass of its own. VEC 4 (the bf16 path, the whole
+// flat buffer): 16-byte accesses, 1.05 -> 0.95 ms for big on an H200; the layout's offsets are multiples of 4,
+// so the decay mask is the same for the 4 (the host checks). VEC 1: ZeRO's pieces start anywhere
+template <bool WB, int VEC>
 __device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
         float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm, i64 n,
         const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
@@ -2836,22 +2842,29 @@ __device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* _
     const float gscale = fminf(1.f, clip / (norm[0] + 1e-6f));      // global norm clipping
     const float lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];      // the step's, on the device: a graph replays
     i64 layers_end = layers_start + layer_size * n_layers;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < n / VEC; q += (i64)gridDim.x * blockDim.x) {
+        const i64 i = q * VEC;
         float decay = 1.f;
         if (i >= layers_start && i < layers_end) {
             unsigned o = (unsigned)(i - layers_start) % (unsigned)layer_size;   // 32-bit: cheap
             if (o < D || (o >= ffn_off && o < ffn_off + D)) decay = 0.f;
             else if (skip_matrices) continue;                            // --optim muon: Muon updates them
         } else if (i >= layers_end && i < layers_end + D) decay = 0.f;
-        float gi = g[i] * gscale;
-        float mi = beta1 * m[i] + (1.f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        float pi = p[i];
-        pi -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * decay * pi);
-        p[i] = pi;
-        if (WB) pb[i] = f2bf(pi);
+        float gs[VEC], ms[VEC], vs[VEC], ps[VEC];
+        ldv<VEC>(g + i, gs); ldv<VEC>(m + i, ms); ldv<VEC>(v + i, vs); ldv<VEC>(p + i, ps);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+            float gi = gs[k] * gscale;
+            float mi = beta1 * ms[k] + (1.f - beta1) * gi;
+            float vi = beta2 * vs[k] + (1.f - beta2) * gi * gi;
+            ms[k] = mi;
+            vs[k] = vi;
+            float pi = ps[k];
+            pi -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * decay * pi);
+            ps[k] = pi;
+        }
+        stv<VEC>(m + i, ms); stv<VEC>(v + i, vs); stv<VEC>(p + i, ps);
+        if constexpr (WB) stv<VEC>(pb + i, ps);
     }
 }
 extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
@@ -2859,16 +2872,16 @@ extern "C" __global__ void adamw(float* __restrict__ p, const float* __restrict_
                                  const float* __restrict__ hyper, float beta1, float beta2, float eps, float wd,
                                  float clip, i64 layers_start, i64 layer_size, int n_layers, i64 ffn_off,
                                  int D, int skip_matrices) {
-    adamw_body<false>(p, g, m, v, nullptr, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                      layer_size, n_layers, ffn_off, D, skip_matrices);
+    adamw_body<false, 1>(p, g, m, v, nullptr, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
+                         layer_size, n_layers, ffn_off, D, skip_matrices);
 }
 extern "C" __global__ void adamw_bf16(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                                       float* __restrict__ v, bf16* __restrict__ pb, const float* __restrict__ norm,
                                       i64 n, const float* __restrict__ hyper, float beta1, float beta2, float eps,
                                       float wd, float clip, i64 layers_start, i64 layer_size, int n_layers,
                                       i64 ffn_off, int D, int skip_matrices) {
-    adamw_body<true>(p, g, m, v, pb, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
-                     layer_size, n_layers, ffn_off, D, skip_matrices);
+    adamw_body<true, 4>(p, g, m, v, pb, norm, n, hyper, beta1, beta2, eps, wd, clip, layers_start,
+                        layer_size, n_layers, ffn_off, D, skip_matrices);
 }
 // the bf16 copy of fp32 weights (after an upload; AdamW keeps it current after that)
 extern "C" __global__ void to_bf16(const float* __restrict__ x, bf16* __restrict__ y, i64 n) {
@@ -2950,6 +2963,9 @@ class AdamW:
         `first` (p, g, m, v and the bf16 copy pb or None: that range of each); the decay mask moves with it."""
         cfg = self.P.cfg
         head = (p, g, m, v) + ((pb,) if pb is not None else ())
+        if pb is not None:                               # adamw_bf16's float4s: see its comment
+            assert (p.size | first | self.layers_start | self.layer_size | self.ffn_off | cfg.dim) % 4 == 0 and \
+                all(a.data.ptr % 16 == 0 for a in head[:4]) and pb.data.ptr % 8 == 0
         _k("adamw_bf16" if pb is not None else "adamw")(
             (PROFILE.sms * 8,), (256,), head + (self.norm, np.int64(p.size), self.hyper, F32(self.beta1), F32(self.beta2),
                                         F32(self.eps), F32(self.wd), F32(self.clip),
