@@ -2832,7 +2832,7 @@ extern "C" __global__ void sumsq_final(const double* __restrict__ part, int np, 
 }
 // AdamW over the flat buffer in one pass; with WB (the bf16 path) it also writes the bf16 copy of each
 // updated weight that the GEMMs read, so the copy never needs a pass of its own. VEC 4 (the bf16 path, the whole
-// flat buffer): 16-byte accesses, 1.05 -> 0.95 ms for big on an H200; the layout's offsets are multiples of 4,
+// flat buffer): 16-byte accesses, 1.05 -> 0.93 ms for big on an H200; the layout's offsets are multiples of 4,
 // so the decay mask is the same for the 4 (the host checks). VEC 1: ZeRO's pieces start anywhere
 template <bool WB, int VEC>
 __device__ __forceinline__ void adamw_body(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
