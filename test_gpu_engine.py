@@ -20,6 +20,7 @@ from conftest import ROOT, one_error_line, run_cli, run_engine, run_gpu, shift_m
 import nanoeuler as ne
 import pipeline as pl
 import nanoeuler_cuda as nc
+from test_cli import SPEED
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -479,7 +480,7 @@ def test_gpu_sample_modes(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_sample_compiles_and_captures_in_its_warm_up(tmp_path, monkeypatch):
+def test_gpu_sample_compiles_and_captures_in_its_warm_up(tmp_path, monkeypatch, capsys):
     """sample's tokens/s on the GPU is the steady rate: every kernel is compiled and every CUDA graph captured
     before the first ids, in the warm-up it reports apart (e3400e8: 1,772 tokens/s on a first run, 31K on the
     next, for 64 streams of big). One stream and a batch, the order of events in this process (a rate
@@ -518,7 +519,10 @@ def test_gpu_sample_compiles_and_captures_in_its_warm_up(tmp_path, monkeypatch):
         events.clear()
         monkeypatch.setattr(nc, "_kernels", {})      # empty caches: each run compiles what it launches
         monkeypatch.setattr(nc, "_modules", {})
-        assert nc.main(["sample", "It was", "--ckpt", str(tmp_path), "--temperature", "0", *map(str, flags)]) in (0, None)
+        argv = ["sample", "It was", "--ckpt", tmp_path, "--temperature", 0, *flags]
+        assert nc.main([str(a) for a in argv]) in (0, None)
+        err = capsys.readouterr().err                # the speed line gives the warm-up apart
+        assert SPEED.search(err) and nc.GPU_WARMUP in err, err
         first = events.index("ids")
         warm, after = events[:first], [e for e in events[first:] if e != "ids"]
         assert any(e.startswith("compile") for e in warm) and any(e.startswith("capture") for e in warm), warm
