@@ -4951,7 +4951,7 @@ class Decoder(Sampler):
         self._run(("rows", B), lambda: (self._forward_tc(B, DECODER_MAX, self.rec, self.state),
                                          self._sample(self.lg[:B], True)))
 
-    def _forward_tc(self, B, M, rec, state, pdl=True):
+    def _forward_tc(self, B, M, rec, state, step=True):
         """The model over B rows (their records in rec, their ids in state[2:]), the products from bf16
         weights and inputs with fp32 accumulation: each at M rows whatever B (DECODER_MAX for a step, _mp for a
         pass of prompts), so cuBLAS runs one kernel a product for every pass of its kind and a row's sums never
@@ -4962,13 +4962,13 @@ class Decoder(Sampler):
         kernels of the B rows, each row alone (big: 32 kernels fewer; a step of 1 / 64 rows 0.56 / 0.67 -> 0.49 /
         0.60 ms). Its roundings add little: a float64 emulation over tiny's and small's requests gives the logits
         within 9.0e-3 / 1.8e-2 of fp32's, against 7.3e-3 / 1.7e-2 with an fp32 residual. In a step
-        attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer); in a pass (pdl=False,
+        attn_warps rotates and appends each row itself (where warps_fit: 16 launches fewer); in a pass (step=False,
         see attn_cached) rope_store first. A step's wo and w2 take dec_add (B rows; its sums, too, the same
         for a row whatever the rows), a pass's cuBLAS; -> the logits of the M rows in lg."""
         cfg, P, Pb = self.cfg, self.P, self.Pb
         hd, Hq, Hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         xb, hb, qkv, r = self.xb[:B], self.hb[:B], self.qkv[:B], self.r[:B]
-        fold = pdl and warps_fit(Hq, Hkv, hd)    # (a pass of prompts reads keys its own rows append)
+        fold = step and warps_fit(Hq, Hkv, hd)    # (a pass of prompts reads keys its own rows append)
         embed_fwd(P["tok_emb"], state[2:2 + B], xb)
         for l in range(cfg.n_layers):
             p = f"layers.{l}."
@@ -4977,13 +4977,13 @@ class Decoder(Sampler):
                 attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, (self.cos, self.sin),
                             rec, xn=xb)
             else:
-                rmsnorm_fwd(xb, None, None, r, pdl=pdl)                                # the rows' 1/rms alone
+                rmsnorm_fwd(xb, None, None, r, pdl=step)                                # the rows' 1/rms alone
                 rope_store(qkv, self.kc[l], self.vc[l], self.cos, self.sin, state, 1, Hq, Hkv, hd, rec, rs=r)
-                attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=pdl)
-            self._add(self.xb, self.attb, Pb[p + "wo"], B, M, pdl)                # x += attention
+                attn_cached(qkv, self.kc[l], self.vc[l], self.attb[:B], state, 1, Hq, Hkv, hd, rec=rec, pdl=step)
+            self._add(self.xb, self.attb, Pb[p + "wo"], B, M, step)                # x += attention
             mm(self.gu[:M], self.xb[:M], Pb.rows(p + "w1", p + "w3"), tb=True)
             swiglu_norm(self.gu[:B], xb, self.actb[:B])
-            self._add(self.xb, self.actb, Pb[p + "w2"], B, M, pdl)                # x += ffn
+            self._add(self.xb, self.actb, Pb[p + "w2"], B, M, step)                # x += ffn
         rmsnorm_fwd(xb, P["norm"], hb, r, pdl=True)
         mm(self.lg[:M], self.hb[:M], Pb.rows("heads.0", "heads.0"), tb=True)
 
@@ -4998,7 +4998,7 @@ class Decoder(Sampler):
         """The pass of prompt rows uploaded to _pass, as one graph."""
         nr = DEC_REC * self._mp
         self._run(("prompts",), lambda: self._forward_tc(self._mp, self._mp, self._pass[:nr], self._pass[nr:],
-                                                         pdl=False))
+                                                         step=False))
 
     def starts(self, items):
         """start() for each (row, ids, sampling, seed) of items -> their first ids; with bf16 products, every
