@@ -1401,22 +1401,23 @@ extern "C" __global__ void __launch_bounds__(256) xent(float* __restrict__ logit
              want_grad);
 }
 // bf16: the chunk of rows n0 .. n0 + gridDim.x, logits (rows, nmtp*V) made by one GEMM from the bf16 hf and
-// heads (fp32, or bf16 for _bl); the gradient as bf16 into dl; the chunk's rows sit at rowloss[k, n0 + r]
+// heads (fp32, or bf16 for _bl); the gradient as bf16 into dl, which may be the bf16 logits themselves (in
+// place, as xent_row allows); the chunk's rows sit at rowloss[k, n0 + r]
 template <typename L>
-__device__ __forceinline__ void xent_chunk_body(const L* __restrict__ logits, bf16* __restrict__ dl,
+__device__ __forceinline__ void xent_chunk_body(const L* logits, bf16* dl,
         const int* __restrict__ targets, const float* __restrict__ scales, float* __restrict__ rowloss, int n0,
         int N, int T, int V, int nmtp, int sstride, int want_grad) {
     int r = blockIdx.x, k = blockIdx.y, n = n0 + r, t = n % T;
     xent_row(logits + ((i64)r * nmtp + k) * V, dl + ((i64)r * nmtp + k) * V, (t + k < T) ? targets[n + k] : -1,
              scales[(n / T) * sstride + k], rowloss + (i64)k * N + n, V, want_grad);
 }
-#define XENT_CHUNK_PARAMS bf16* __restrict__ dl, const int* __restrict__ targets, const float* __restrict__ scales, \
+#define XENT_CHUNK_PARAMS bf16* dl, const int* __restrict__ targets, const float* __restrict__ scales, \
         float* __restrict__ rowloss, int n0, int N, int T, int V, int nmtp, int sstride, int want_grad
 #define XENT_CHUNK_ARGS dl, targets, scales, rowloss, n0, N, T, V, nmtp, sstride, want_grad
-extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* __restrict__ logits, XENT_CHUNK_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) xent_chunk(const float* logits, XENT_CHUNK_PARAMS) {
     xent_chunk_body(logits, XENT_CHUNK_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(256) xent_chunk_bl(const bf16* __restrict__ logits, XENT_CHUNK_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256) xent_chunk_bl(const bf16* logits, XENT_CHUNK_PARAMS) {
     xent_chunk_body(logits, XENT_CHUNK_ARGS);
 }
 // ce[k] = sum_n rowloss[k, n] * inv_count[k]; one block per head, fixed order
@@ -1440,8 +1441,8 @@ def xent(logits, targets, scales, rowloss, T, nmtp, want_grad, per_seq=False):
 
 
 def xent_chunk(logits, dl, targets, scales, rowloss, n0, T, nmtp, want_grad, per_seq=False):
-    """logits (rows, nmtp*V) fp32 or bf16 of rows n0.., dl the same shape bf16 (written with want_grad); scales
-    as xent's."""
+    """logits (rows, nmtp*V) fp32 or bf16 of rows n0.., dl the same shape bf16 (written with want_grad; it may be
+    the bf16 logits, in place); scales as xent's."""
     rows = logits.shape[0]
     V = logits.shape[1] // nmtp
     _k("xent_chunk_bl" if logits.dtype == BF else "xent_chunk")(
@@ -2474,8 +2475,16 @@ class DeviceParams:
 
 
 PRECISIONS = ("bf16", "tf32", "fp32")
-LOGIT_CHUNK = (1024, 4096)   # rows of the bf16 path's logits per chunk: N/8 within these bounds; for big,
-                             # (1024, n_mtp*V) fp32 + bf16 is 96 MiB (B=16), 4096 rows 384 MiB (B=64)
+LOGIT_CHUNK = (1024, 4096)   # rows of the bf16 path's logits per chunk: N/4 within these bounds; their gradient
+                             # is written over them: for big (n_mtp*V = 20,480) 80 MiB at B=16, 160 MiB at B=64
+
+
+def logit_chunk(N):
+    """Rows of one chunk of the bf16 path's logits (LOGIT_CHUNK). The heads' three products run nearer
+    cuBLAS's speed in longer chunks (dhf's output, chunk x 768, has few tiles): big's 8,192 rows (B=16) on an
+    H200 take 1.30 / 1.09 / 1.02 / 1.05 ms in chunks of 1,024 / 2,048 / 4,096 / 8,192 rows (N/2 would
+    take B=16's peak memory past 5.44 GiB for its 0.2 ms)."""
+    return min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 4)))
 
 
 def check_precision(precision, cfg, attn, explicit=True):
@@ -2580,8 +2589,8 @@ class Model:
         self.gu = [b16(N, 2 * F) for _ in range(L)]       # [g | u]; the backward writes [dg | du] over it
         self.act = [b16(N, F) for _ in range(L)] if self.train else [b16(N, F)] * L    # silu(g) * u
         self.hf, self.rf = b16(N, D), f32(N)
-        self.chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
-        self.lchunk, self.dlchunk = b16(self.chunk, K * V), b16(self.chunk, K * V)   # logits, their gradient
+        self.chunk = logit_chunk(N)
+        self.lchunk = b16(self.chunk, K * V)              # a chunk's logits, then their gradient
         self.rowloss, self.ce = f32(K, N), cp.zeros(K, np.float32)
         self.tmp = b16(N, D)                              # a @ wo.T, act @ w2.T before the fused residual add
         if self.train:
@@ -2591,9 +2600,8 @@ class Model:
             self.fws = flash_bf16_scratch(B, T, Hq)          # the attention backward's D and dS
             self.part = f32(rms_part_rows(N), D)
         # the chunks' views, made once (each CuPy view costs host time in every step)
-        self.chunks = [(n0, self.lchunk[:min(self.chunk, N - n0)], self.dlchunk[:min(self.chunk, N - n0)],
-                        self.hf[n0:n0 + self.chunk], self.dh[n0:n0 + self.chunk] if self.train else None)
-                       for n0 in range(0, N, self.chunk)]
+        self.chunks = [(n0, self.lchunk[:min(self.chunk, N - n0)], self.hf[n0:n0 + self.chunk],
+                        self.dh[n0:n0 + self.chunk] if self.train else None) for n0 in range(0, N, self.chunk)]
 
     def _alloc_fp32(self):
         cfg, B, T, N, S, attn = self.cfg, self.B, self.T, self.N, self.S, self.attn
@@ -2752,18 +2760,18 @@ class Model:
     def _loss_head_bf16(self, want_grad):
         """Logits + MTP cross-entropy, fused and chunked over rows: per chunk one GEMM makes the logits of all
         heads (bf16, as autocast has them; 0.5 ms less a B=64 step than fp32), xent_chunk the loss from fp32
-        statistics (max, sum of exp, log-sum-exp) and the bf16 gradient, and (want_grad) two GEMMs take the
-        chunk's share of dHeads (accumulated over the chunks in order: deterministic) and its rows of dhf.
-        Only a (chunk, n_mtp*V) block of logits ever exists."""
+        statistics (max, sum of exp, log-sum-exp) and the bf16 gradient over the logits, and (want_grad) two GEMMs
+        take the chunk's share of dHeads (accumulated over the chunks in order: deterministic) and its rows of
+        dhf. Only a (chunk, n_mtp*V) block of logits ever exists."""
         T, K = self.T, self.cfg.n_mtp
         heads = ("heads.0", f"heads.{K - 1}")
         Wb = self.Pb.rows(*heads)                                            # (K*V, D) bf16
-        for n0, lg, dl, hf, dh in self.chunks:
+        for n0, lg, hf, dh in self.chunks:
             mm(lg, hf, Wb, tb=True)
-            xent_chunk(lg, dl, self.tgt, self.scales, self.rowloss, n0, T, K, want_grad)
+            xent_chunk(lg, lg, self.tgt, self.scales, self.rowloss, n0, T, K, want_grad)   # dl over the logits
             if want_grad:
-                mm(self.G.rows(*heads), dl, hf, ta=True, beta=1.0 if n0 else 0.0)   # dHeads (+)= dl^T hf
-                mm(dh, dl, Wb)                                                     # dhf rows (bf16)
+                mm(self.G.rows(*heads), lg, hf, ta=True, beta=1.0 if n0 else 0.0)   # dHeads (+)= dl^T hf
+                mm(dh, lg, Wb)                                                     # dhf rows (bf16)
         loss_reduce(self.rowloss, self.inv_count, self.ce)
 
     def _backward_bf16(self):
@@ -3338,11 +3346,10 @@ def memory_estimate(cfg, B, T, precision="bf16", attn="flash", accum=1, prof=Non
         weights += 2 * (2 if bf else 4) * sum(muon_scratch(cfg))
     rms = -(-N // (4 * max(1, min(16, -(-N // 4096))))) * D * 4                 # rms_part_rows(N) x D fp32
     if bf:
-        chunk = min(N, max(LOGIT_CHUNK[0], min(LOGIT_CHUNK[1], N // 8)))
         per_row = (L * (D * 4 + D * 4 + 2 * D * 2 + 2 * 4 + S * 2 + Cq * 2 + Hq * 4 + 2 * F * 2 + F * 2)
                    + D * 4 + D * 2 + 4 + K * 4 + D * 2                                  # xs[L], hf, rf, rowloss, tmp
                    + D * 4 + 2 * D * 2 + Cq * 2 + S * 2 + F * 2 + Hq * 4)           # dx, dxb, dh, da, dqkv, dact, D
-        acts = N * per_row + 2 * chunk * K * V * 2 + B * Hq * nt * (nt + 1) // 2 * 8192
+        acts = N * per_row + logit_chunk(N) * K * V * 2 + B * Hq * nt * (nt + 1) // 2 * 8192
     else:
         per_row = (L * (4 * D + 2 + S + Cq + 2 * F + F) + D + D + 1 + K * V + K + D   # layers; xs[L], hf, rf,
                    + 2 * D + Cq + S + F + Hq) * 4 + (L * Hq * 4 if attn == "flash" else 0)  # logits, .. dx, dh, ..
@@ -6115,7 +6122,8 @@ def selftest_checks_bf16(rng):
         swiglu_bwd(_db(dact), gg)
         R.append((f"swiglu bf16 bwd [dg | du] (F={F})", rel_err(gg, ne.swiglu_backward(dact, gu)), TB))
     # chunked cross-entropy of 3 MTP heads with ignored targets, in two chunks (the second ragged), from fp32 and
-    # bf16 logits: rows in registers (V <= 4096, V a multiple of 16 bytes of logits), rows read from memory
+    # bf16 logits (the gradient over them, as the trainer has it): rows in registers (V <= 4096, V a multiple of
+    # 16 bytes of logits), rows read from memory
     for B, T, V, K, lb in ((3, 23, 96, 3, 0), (3, 23, 97, 3, 0), (2, 9, 4500, 2, 0), (3, 23, 97, 3, 1),
                            (3, 23, 1000, 3, 1), (2, 9, 4096, 2, 1)):
         N = B * T
@@ -6125,7 +6133,8 @@ def selftest_checks_bf16(rng):
         ref = logits.copy()
         obj_ref, ces_ref = ne.mtp_loss(ref, y, K, 0.3)
         sc, inv = loss_weights(y, K, 0.3)
-        lg, dl, rl, ce = (_db if lb else _d)(logits), _nanb(N, K * V), _nan(K, N), _nan(K)
+        lg, rl, ce = (_db if lb else _d)(logits), _nan(K, N), _nan(K)
+        dl = lg if lb else _nanb(N, K * V)
         tg, scd = cp.asarray(y.reshape(-1)), _d(sc)
         for n0, n1 in ((0, N // 2 + 3), (N // 2 + 3, N)):
             xent_chunk(lg[n0:n1], dl[n0:n1], tg, scd, rl, n0, T, K, want_grad=True)
