@@ -3328,7 +3328,7 @@ MUON_ZERO = ("--optim muon trains on one GPU: ZeRO-1 (--gpus N) shards AdamW's m
 # --- memory: what a training run takes from the pool, estimated before its first step (an upper bound: the
 #     buffers of Model, DeviceParams and AdamW (or Muon) counted as they allocate them, then MEM_SLACK for what they do
 #     not count: cuBLAS's workspace, cublasLt's timing copies, the sampler, CuPy's rounding). Measured on an
-#     H200, big T=512 bf16: 5.44 GiB at B=16, 15.62 at B=64 (bench's peak) ---
+#     H200, big T=512 bf16: 5.44 GiB at B=16, 15.50 at B=64 (bench's peak, 2026-12-03) ---
 
 MEM_SLACK = (1.08, 512 * MiB)       # estimate = counted x 1.08 + 512 MiB
 
