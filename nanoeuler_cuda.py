@@ -125,6 +125,12 @@ class DeviceProfile:
         return self.cc >= (8, 0)
 
     @property
+    def wgmma(self):
+        """Warpgroup MMA (sm_90a): the bf16 flash kernels at head dim 64 use it. sm_90 alone: the 'a' features are
+        the chip's own (an emulated older GPU runs the mma.sync kernels)."""
+        return self.cc == (9, 0)
+
+    @property
     def pdl(self):
         """Programmatic dependent launch (griddepcontrol): sm_90 on."""
         return self.cc >= (9, 0)
@@ -660,7 +666,8 @@ def _k(name):
         assert name in KERNELS, f"no kernel {name}"
         mod = KERNELS[name]
         if mod not in _modules:
-            _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod], options=NVRTC_OPTIONS)
+            _modules[mod] = cp.RawModule(code=COMMON + SOURCES[mod],
+                                         options=NVRTC_OPTIONS + (("-arch=sm_90a",) if mod in WG_MODULES else ()))
         k = _kernels[name] = _modules[mod].get_function(name)
     return k
 
@@ -1480,9 +1487,9 @@ def loss_weights(targets, n_mtp, mtp_weight):
 FLASH_HEAD_DIMS = (32, 64)
 
 
-def flash_name(kind, hd, bf16=False):
-    """The flash attention kernel of a kind (fwd, bwd; bf16: fwd, dq, dkdv) for head dim hd."""
-    return f"flash{'_bf16' if bf16 else ''}_{kind}_{hd}"
+def flash_name(kind, hd, bf16=False, wg=False):
+    """The flash attention kernel of a kind (fwd, bwd; bf16: fwd, dq, dkdv) for head dim hd (wg: on wgmma)."""
+    return f"flash{'_bf16' if bf16 else ''}_{kind}_{hd}{'_wg' if wg else ''}"
 
 
 FLASH_SRC = cuda_source("flash", ["flash_bwd_pre", "flash_dq_sum"] +
@@ -1842,6 +1849,12 @@ def flash_bwd(qkv, out, dout, lse, dqkv, Dv, dqp, B, T, Hq, Hkv, hd):
 #    (Measured on an H200 at B=64: 245 us a layer before, when the dQ kernel recomputed dS.)
 # Rows past T need no masks: their Q, dO rows are zero-filled, lse and D read as 0, so they contribute 0.
 # (Measured on an H200, B=16 T=512 Hq/Hkv=12/4 hd=64: fwd+bwd 0.19 ms against 1.29 for the fp32 kernel.)
+#
+# On sm_90 at head dim 64 the same three kernels run their products on wgmma (module flash_bf16_wg, template
+# parameter WG): the block's 4 warps are one warpgroup, the 64-row tiles are 128-byte swizzled, the tensor cores
+# read them from shared memory through descriptors, and the C fragments are the same (so the same bits: equal on
+# every shape tried). H200, B=16 / 64, big's shapes, us a layer: fwd 48.0 -> 39.5 / 162 -> 132, dK/dV 75.8 -> 57.6
+# / 260 -> 197, dQ 33.4 -> 28.8 / 108 -> 98; the training step 15.5 -> 15.1 / 57.9 -> 55.6 ms.
 
 BF16_HEAD_DIMS = (32, 64, 128)
 MMA_SRC = r"""
@@ -1854,8 +1867,7 @@ __device__ __forceinline__ void fb_mma(float c[4], const unsigned a[4], unsigned
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 """
-FLASH_BF16_SRC = cuda_source("flash_bf16", ["flash_bf16_dpre"] + [
-    flash_name(kind, hd, bf16=True) for kind in ("fwd", "dq", "dkdv") for hd in BF16_HEAD_DIMS], MMA_SRC + r"""
+FLASH_BF16_BODY = MMA_SRC + r"""
 // four 8x8 bf16 matrices; lane l gives the row address of matrix l/8, row l%8
 __device__ __forceinline__ void fb_ldm4(unsigned r[4], const bf16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -1871,32 +1883,47 @@ __device__ __forceinline__ float fb_exp2(float x) {     // ex2.approx: exp2(-inf
     float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
 }
 
-// rows [r0, r0+64) of a row-major (.., ld) bf16 matrix, columns col..col+HD -> smem [64][HD+8]; zeros past T
-template <int HD>
+// a tile's row stride in elements: [64][HD+8] for ldmatrix (mma.sync); [64][64] swizzled for wgmma (WG)
+template <int HD, bool WG> __device__ constexpr int fb_lds() { return WG ? HD : HD + 8; }
+// a flash kernel's dynamic shared memory; WG: from its first 1024-byte boundary (1 KB more is asked for)
+template <bool WG> __device__ __forceinline__ unsigned char* fb_smem_base() {
+    extern __shared__ __align__(16) unsigned char fb_smem[];
+    return WG ? fb_smem + ((1024 - (fb_sa(fb_smem) & 1023)) & 1023) : fb_smem;
+}
+// rows [r0, r0+64) of a row-major (.., ld) bf16 matrix, columns col..col+HD -> a smem tile; zeros past T.
+// WG: 16-byte chunk ch of row r goes to chunk ch ^ (r % 8) of the row (the 128-byte swizzle wgmma reads)
+template <int HD, bool WG = false>
 __device__ __forceinline__ void fb_load_tile(bf16* dst, const bf16* src, int r0, int T, long long ld, int col) {
-    constexpr int CH = HD / 8, LDS = HD + 8;
+    static_assert(!WG || HD == 64, "wgmma tiles are rows of 128 bytes");
+    constexpr int CH = HD / 8, LDS = fb_lds<HD, WG>();
 #pragma unroll
     for (int f = threadIdx.x; f < 64 * CH; f += 128) {
         int r = f / CH, c = (f % CH) * 8;
         bool ok = r0 + r < T;
-        fb_cp16(dst + r * LDS + c, src + (long long)(ok ? r0 + r : 0) * ld + col + c, ok ? 16 : 0);
+        fb_cp16(dst + r * LDS + (WG ? ((f % CH) ^ (r & 7)) * 8 : c), src + (long long)(ok ? r0 + r : 0) * ld + col + c,
+                ok ? 16 : 0);
     }
+}
+// after a thread's cp.async groups landed, before the barrier: makes its writes visible to wgmma's reads
+template <bool WG> __device__ __forceinline__ void fb_fence_async() {
+    if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // the double-buffered key loop of the forward and dq kernels: the K and V tiles after tile kt (up to last)
 // start loading into the other buffer, and tile kt, in buffer kt & 1, is waited for
-template <int HD>
+template <int HD, bool WG>
 __device__ __forceinline__ void fb_next_kv(bf16* Ks, bf16* Vs, const bf16* base, int kt, int last, int T, long long S,
                                            int kcol, int vcol) {
-    constexpr int TILE = 64 * (HD + 8);
+    constexpr int TILE = 64 * fb_lds<HD, WG>();
     if (kt < last) {
         const int nb = (kt + 1) & 1;
-        fb_load_tile<HD>(Ks + nb * TILE, base, (kt + 1) * 64, T, S, kcol);
-        fb_load_tile<HD>(Vs + nb * TILE, base, (kt + 1) * 64, T, S, vcol);
+        fb_load_tile<HD, WG>(Ks + nb * TILE, base, (kt + 1) * 64, T, S, kcol);
+        fb_load_tile<HD, WG>(Vs + nb * TILE, base, (kt + 1) * 64, T, S, vcol);
         fb_commit();
         fb_wait<1>();
     } else {
         fb_wait<0>();
     }
+    fb_fence_async<WG>();
     __syncthreads();                                               // tile kt is in shared memory
 }
 // src[r0 .. r0+64) fp32 -> smem [64]; zeros past T
@@ -1908,10 +1935,67 @@ __device__ __forceinline__ void fb_load_vec(float* dst, const float* src, int r0
     }
 }
 
-// acc (16 x 64, n-tile n = columns 8n..8n+7) += A (16 x HD) * Bm (64 x HD)^T; A, Bm: smem rows of HD+8
-template <int HD>
+// --- wgmma (sm_90a; module flash_bf16_wg): a warpgroup (the block's 4 warps) multiplies 64-row tiles, the tensor
+// cores reading the shared operands through descriptors (no ldmatrix, a few instructions a product). Its C
+// fragments are fb_mma's: warp w holds rows 16w..16w+15, acc[n] columns 8n..8n+7. Tiles are 64 rows of 128
+// bytes, swizzled (fb_load_tile<64, true>), 1024-byte aligned. Templates: no PTX unless a WG kernel uses them.
+// descriptor: start address / 16, leading offset 16 B (unused when swizzled), 8 rows = 1024 B apart, 128-B swizzle
+template <int HD> __device__ __forceinline__ unsigned long long wg_desc(const bf16* p) {
+    return ((fb_sa(p) & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+#define WG_C "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define WG_ACC4(a, n) "+f"(a[n][0]), "+f"(a[n][1]), "+f"(a[n][2]), "+f"(a[n][3])
+#define WG_ACC(a) WG_ACC4(a, 0), WG_ACC4(a, 1), WG_ACC4(a, 2), WG_ACC4(a, 3), WG_ACC4(a, 4), WG_ACC4(a, 5), \
+                  WG_ACC4(a, 6), WG_ACC4(a, 7)
+// The products run asynchronously: wg_abt / wg_pm fence (acc and the A registers were written), issue, commit a
+// group; wg_wait<N> waits until at most the N newest groups are in flight. Until then a product's registers are
+// its own: wg_hold, after the wait, marks them written there, so the compiler moves no read of an output, nor
+// a write over a register operand, above the wait.
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void wg_hold(float acc[8][4]) { asm volatile("" : WG_ACC(acc) :: "memory"); }
+__device__ __forceinline__ void wg_hold(unsigned pa[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        asm volatile("" : "+r"(pa[kk][0]), "+r"(pa[kk][1]), "+r"(pa[kk][2]), "+r"(pa[kk][3]) :: "memory");
+}
+// acc (64 x 64) += A (64 x HD) * Bm (64 x HD)^T, both K-major tiles
+template <int HD> __device__ __forceinline__ void wg_abt(float acc[8][4], const bf16* A, const bf16* Bm) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : WG_ACC(acc) : "l"(wg_desc<HD>(A + kk * 16)), "l"(wg_desc<HD>(Bm + kk * 16)), "r"(1));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// acc (64 x HD) += P (64 x 64, A fragments pa[k-step] in registers) * M (64 x HD tile, read transposed: MN-major)
+template <int HD> __device__ __forceinline__ void wg_pm(float acc[8][4], unsigned pa[4][4], const bf16* M) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+                     : WG_ACC(acc) : "r"(pa[kk][0]), "r"(pa[kk][1]), "r"(pa[kk][2]), "r"(pa[kk][3]),
+                       "l"(wg_desc<HD>(M + kk * 16 * HD)), "r"(1));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// acc (16 x 64, n-tile n = columns 8n..8n+7) += A (16 x HD) * Bm (64 x HD)^T, the warp's 16 rows of the A tile;
+// WG: the warpgroup's 64 (wg_abt), waited for unless WAIT is false
+template <int HD, bool WG, bool WAIT = true>
 __device__ __forceinline__ void fb_abt(float acc[8][4], const bf16* A, const bf16* Bm, int lane) {
+    if constexpr (WG) {
+        wg_abt<HD>(acc, A, Bm);
+        if constexpr (WAIT) {
+            wg_wait<0>();
+            wg_hold(acc);
+        }
+        return;
+    }
     constexpr int LDS = HD + 8;
+    A += (threadIdx.x >> 5) * 16 * LDS;
 #pragma unroll (HD == 128 ? 2 : 4)     // full unroll at HD=128 spills in the dK/dV kernel (255 registers)
     for (int kk = 0; kk < HD / 16; kk++) {
         unsigned a[4];                  // matrices: rows 0-7 | 8-15 of k 0-7, then of k 8-15
@@ -1926,9 +2010,19 @@ __device__ __forceinline__ void fb_abt(float acc[8][4], const bf16* A, const bf1
     }
 }
 
-// acc (16 x HD) += P (16 x 64, A fragments pa[k-step]) * M (64 x HD, smem rows of HD+8); .trans gives B = M[k][n]
-template <int HD>
-__device__ __forceinline__ void fb_pm(float acc[HD / 8][4], const unsigned pa[4][4], const bf16* M, int lane) {
+// acc (16 x HD) += P (16 x 64, A fragments pa[k-step]) * M (64 x HD, smem rows of HD+8); .trans gives B = M[k][n].
+// WG: wg_pm, waited for unless WAIT is false
+template <int HD, bool WG, bool WAIT = true>
+__device__ __forceinline__ void fb_pm(float acc[HD / 8][4], unsigned pa[4][4], const bf16* M, int lane) {
+    if constexpr (WG) {
+        wg_pm<HD>(acc, pa, M);
+        if constexpr (WAIT) {
+            wg_wait<0>();
+            wg_hold(acc);
+            wg_hold(pa);
+        }
+        return;
+    }
     constexpr int LDS = HD + 8;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -1978,12 +2072,11 @@ __device__ __forceinline__ void fb_store_unrotated(const float acc[HD / 8][4], b
     }
 }
 
-template <int HD>
+template <int HD, bool WG>
 __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* __restrict__ out,
                                             float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) {
-    constexpr int LDS = HD + 8, TILE = 64 * LDS;
-    extern __shared__ __align__(16) unsigned char fb_smem[];
-    bf16* Qs = reinterpret_cast<bf16*>(fb_smem);      // [64][LDS]
+    constexpr int TILE = 64 * fb_lds<HD, WG>();
+    bf16* Qs = reinterpret_cast<bf16*>(fb_smem_base<WG>());   // [64][LDS]
     bf16* Ks = Qs + TILE;                              // [2][64][LDS]
     bf16* Vs = Ks + 2 * TILE;                          // [2][64][LDS]
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
@@ -1992,9 +2085,9 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
     const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
     const bf16* base = qkv + (long long)b * T * S;
     const int q0 = qt * 64;
-    fb_load_tile<HD>(Qs, base, q0, T, S, h * HD);
-    fb_load_tile<HD>(Ks, base, 0, T, S, Cq + kvh * HD);
-    fb_load_tile<HD>(Vs, base, 0, T, S, Cq + Ck + kvh * HD);
+    fb_load_tile<HD, WG>(Qs, base, q0, T, S, h * HD);
+    fb_load_tile<HD, WG>(Ks, base, 0, T, S, Cq + kvh * HD);
+    fb_load_tile<HD, WG>(Vs, base, 0, T, S, Cq + Ck + kvh * HD);
     fb_commit();
     float o[HD / 8][4], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};   // rows w*16 + g + 8r
 #pragma unroll
@@ -2002,7 +2095,7 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
 #pragma unroll
         for (int e = 0; e < 4; e++) o[n][e] = 0.f;
     for (int kt = 0; kt <= qt; kt++) {
-        fb_next_kv<HD>(Ks, Vs, base, kt, qt, T, S, Cq + kvh * HD, Cq + Ck + kvh * HD);
+        fb_next_kv<HD, WG>(Ks, Vs, base, kt, qt, T, S, Cq + kvh * HD, Cq + Ck + kvh * HD);
         const bf16* Kc = Ks + (kt & 1) * TILE;
         const bf16* Vc = Vs + (kt & 1) * TILE;
         float s[8][4];
@@ -2010,7 +2103,7 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
         for (int n = 0; n < 8; n++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[n][e] = 0.f;
-        fb_abt<HD>(s, Qs + w * 16 * LDS, Kc, lane);
+        fb_abt<HD, WG>(s, Qs, Kc, lane);
         float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
         for (int n = 0; n < 8; n++)
@@ -2042,7 +2135,7 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
             }
         unsigned pa[4][4];
         fb_c2a(pa, s);
-        fb_pm<HD>(o, pa, Vc, lane);                                // O += P V
+        fb_pm<HD, WG>(o, pa, Vc, lane);                            // O += P V
         __syncthreads();                                           // buffer kt&1 is refilled next iteration
     }
 #pragma unroll
@@ -2061,12 +2154,208 @@ __device__ __forceinline__ void fb_fwd_body(const bf16* __restrict__ qkv, bf16* 
     }
 }
 
+// an 8x8 b16 matrix held as mma fragments (lane l: row l/4, columns 2(l%4), +1) -> its transpose, same layout
+__device__ __forceinline__ unsigned fb_trans(unsigned a) {
+    unsigned d; asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a)); return d;
+}
+
+// dQ of query tile qt: sum over key tiles kt <= qt of dS_kt K_kt, dS's A fragments read from dsf (written by the
+// dK/dV kernel: tile (b, h, qt, kt) at index qt(qt+1)/2 + kt of the (b, h) run, 512 uint4: [warp's 16 queries]
+// [16 keys][lane]); K and dS tiles pass through shared memory in FB_DQ_STAGES buffers (cp.async, a group per
+// tile, loading two tiles ahead); the RoPE backward in the epilogue
+#define FB_DQ_STAGES 3
+template <int HD, bool WG>
+__device__ __forceinline__ void fb_dq_body(const bf16* __restrict__ qkv, const uint4* __restrict__ dsf,
+        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq,
+        int Hkv, float scale) {
+    constexpr int TILE = 64 * fb_lds<HD, WG>();
+    uint4* dSs = reinterpret_cast<uint4*>(fb_smem_base<WG>());    // [STAGES][512]
+    bf16* Ks = reinterpret_cast<bf16*>(dSs + FB_DQ_STAGES * 512);  // [STAGES][64][LDS]
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int nqt = (T + 63) / 64, qt = nqt - 1 - blockIdx.x;      // the longest rows start first
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
+    const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
+    const bf16* base = qkv + (long long)b * T * S;
+    const uint4* src = dsf + (((long long)b * Hq + h) * (nqt * (nqt + 1) / 2) + qt * (qt + 1) / 2) * 512;
+    auto issue = [&](int kt) {                                     // tile kt's group (empty past the last)
+        if (kt <= qt) {
+            const int st = kt % FB_DQ_STAGES;
+            fb_load_tile<HD, WG>(Ks + st * TILE, base, kt * 64, T, S, Cq + kvh * HD);
+#pragma unroll
+            for (int f = threadIdx.x; f < 512; f += 128) fb_cp16(dSs + st * 512 + f, src + kt * 512 + f, 16);
+        }
+        fb_commit();
+    };
+    issue(0);
+    issue(1);
+    float dq[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dq[n][e] = 0.f;
+    for (int kt = 0; kt <= qt; kt++) {
+        issue(kt + 2);
+        fb_wait<2>();
+        fb_fence_async<WG>();
+        __syncthreads();                                           // tile kt is in shared memory
+        const int st = kt % FB_DQ_STAGES;
+        unsigned pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const uint4 v = dSs[st * 512 + w * 128 + kk * 32 + lane];
+            pa[kk][0] = v.x; pa[kk][1] = v.y; pa[kk][2] = v.z; pa[kk][3] = v.w;
+        }
+        fb_pm<HD, WG>(dq, pa, Ks + st * TILE, lane);               // dQ += dS K
+        __syncthreads();                                           // its buffers are refilled next iteration
+    }
+    fb_store_unrotated<HD>(dq, dqkv + (long long)b * T * S + h * HD, S, qt * 64 + w * 16, T, scale, cosv, sinv, g, c);
+}
+
+#define FB_DQ_PARAMS const bf16* __restrict__ qkv, const uint4* __restrict__ dsf, bf16* __restrict__ dqkv, \
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale
+#define FB_DQ_ARGS qkv, dsf, dqkv, cosv, sinv, T, Hq, Hkv, scale
+// dK, dV of key tile kt (keys kt*64 .. kt*64+63) of kv head blockIdx.y, batch blockIdx.z
+template <int HD, bool WG>
+__device__ __forceinline__ void fb_dkdv_tile(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf,
+        const float* __restrict__ cosv, const float* __restrict__ sinv,
+        int T, int Hq, int Hkv, float scale, float sl2, const int kt) {
+    constexpr int TILE = 64 * fb_lds<HD, WG>();
+    bf16* Ks = reinterpret_cast<bf16*>(fb_smem_base<WG>());   // [64][LDS] keys of this block
+    bf16* Vs = Ks + TILE;                              // [64][LDS]
+    bf16* Qs = Vs + TILE;                              // [2][64][LDS] query tiles
+    bf16* dOs = Qs + 2 * TILE;                         // [2][64][LDS]
+    float* Ls = reinterpret_cast<float*>(dOs + 2 * TILE);   // [2][64] lse of the query rows
+    float* Ds = Ls + 128;                                    // [2][64] D of the query rows
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int nkt = (T + 63) / 64, j = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
+    const bf16* base = qkv + (long long)b * T * S;
+    const bf16* dbase = dout + (long long)b * T * Cq;
+    {
+        const int k0 = kt * 64, nq = nkt - kt, niter = G * nq;     // (query head, query tile kt..nkt-1)
+        auto issue = [&](int it, int buf) {
+            const int hh = j * G + it / nq, qq0 = (kt + it % nq) * 64;
+            fb_load_tile<HD, WG>(Qs + buf * TILE, base, qq0, T, S, hh * HD);
+            fb_load_tile<HD, WG>(dOs + buf * TILE, dbase, qq0, T, Cq, hh * HD);
+            fb_load_vec(Ls + buf * 64, lse + ((long long)b * Hq + hh) * T, qq0, T);
+            fb_load_vec(Ds + buf * 64, Dv + ((long long)b * Hq + hh) * T, qq0, T);
+        };
+        fb_load_tile<HD, WG>(Ks, base, k0, T, S, Cq + j * HD);
+        fb_load_tile<HD, WG>(Vs, base, k0, T, S, Cq + Ck + j * HD);
+        issue(0, 0);
+        fb_commit();
+        float dk[HD / 8][4], dv[HD / 8][4];                        // keys k0 + w*16 + g + 8r
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { dk[n][e] = 0.f; dv[n][e] = 0.f; }
+        for (int it = 0; it < niter; it++) {
+            if (it + 1 < niter) {
+                issue(it + 1, (it + 1) & 1);
+                fb_commit();
+                fb_wait<1>();
+            } else {
+                fb_wait<0>();
+            }
+            fb_fence_async<WG>();
+            __syncthreads();
+            const int buf = it & 1;
+            const bool diag = it % nq == 0;                        // query tile == key tile
+            const bf16* Qc = Qs + buf * TILE;
+            const bf16* dOc = dOs + buf * TILE;
+            const float* Lc = Ls + buf * 64;
+            const float* Dc = Ds + buf * 64;
+            float p[8][4], dp[8][4];                               // rows: keys; columns: queries 8n + 2c + (e&1)
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) { p[n][e] = 0.f; dp[n][e] = 0.f; }
+            fb_abt<HD, WG>(p, Ks, Qc, lane);                       // S^T = K Q^T
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const float2 L2 = *reinterpret_cast<const float2*>(Lc + 8 * n + 2 * c);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float v = fb_exp2(p[n][e] * sl2 - ((e & 1) ? L2.y : L2.x));
+                    if (diag && 8 * n + 2 * c + (e & 1) < w * 16 + g + 8 * (e >> 1)) v = 0.f;   // key > query
+                    p[n][e] = v;
+                }
+            }
+            unsigned pa[4][4];
+            fb_c2a(pa, p);
+            fb_pm<HD, WG>(dv, pa, dOc, lane);                      // dV += P^T dO
+            fb_abt<HD, WG>(dp, Vs, dOc, lane);                     // dP^T = V dO^T
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                const float2 D2 = *reinterpret_cast<const float2*>(Dc + 8 * n + 2 * c);
+                if constexpr (HD == 128) {     // P^T from its bf16 copy: 16 fewer live registers, no spills
+                    const float2 lo = unpack_bf2(pa[n >> 1][(n & 1) * 2]);
+                    const float2 hi = unpack_bf2(pa[n >> 1][(n & 1) * 2 + 1]);
+                    p[n][0] = lo.x; p[n][1] = lo.y; p[n][2] = hi.x; p[n][3] = hi.y;
+                }
+#pragma unroll
+                for (int e = 0; e < 4; e++) dp[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? D2.y : D2.x));   // dS^T
+            }
+            fb_c2a(pa, dp);
+            {   // dS (queries x keys) as the dQ kernel's A fragments: its 16 queries 16kk.. by this warp's 16 keys
+                const int qi = kt + it % nq;
+                uint4* dst = dsf + (((long long)b * Hq + j * G + it / nq) * (nkt * (nkt + 1) / 2) + qi * (qi + 1) / 2 + kt) * 512
+                             + w * 32 + lane;
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++)
+                    dst[kk * 128] = make_uint4(fb_trans(pa[kk][0]), fb_trans(pa[kk][2]), fb_trans(pa[kk][1]), fb_trans(pa[kk][3]));
+            }
+            fb_pm<HD, WG>(dk, pa, Qc, lane);                       // dK += dS^T Q
+            __syncthreads();                                       // buffer it&1 is refilled next iteration
+        }
+        bf16* drow = dqkv + (long long)b * T * S + Cq + j * HD;
+        fb_store_unrotated<HD>(dk, drow, S, k0 + w * 16, T, scale, cosv, sinv, g, c);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int t = k0 + w * 16 + g + 8 * r;
+            if (t < T) {
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++)
+                    *reinterpret_cast<unsigned*>(drow + t * S + Ck + 2 * c + 8 * n) = fb_pack(dv[n][2 * r], dv[n][2 * r + 1]);
+            }
+        }
+    }
+}
+
+// pair: the block takes key tiles x and nkt-1-x, so every block has the same causal work
+template <int HD, bool WG>
+__device__ __forceinline__ void fb_dkdv_body(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
+        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf,
+        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale,
+        float sl2, int pair) {
+    const int nkt = (T + 63) / 64, kt = blockIdx.x, kt2 = nkt - 1 - kt;
+    fb_dkdv_tile<HD, WG>(qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, kt);
+    if (pair && kt2 != kt) {
+        __syncthreads();                                           // the first key tile's shared memory is consumed
+        fb_dkdv_tile<HD, WG>(qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, kt2);
+    }
+}
+
+#define FB_DKDV_PARAMS const bf16* __restrict__ qkv, const bf16* __restrict__ dout, const float* __restrict__ lse, \
+        const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf, const float* __restrict__ cosv, \
+        const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale, float sl2, int pair
+#define FB_DKDV_ARGS qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, pair
+"""
+FLASH_BF16_SRC = cuda_source("flash_bf16", ["flash_bf16_dpre"] + [
+    flash_name(kind, hd, bf16=True) for kind in ("fwd", "dq", "dkdv") for hd in BF16_HEAD_DIMS], FLASH_BF16_BODY + r"""
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_32(const bf16* __restrict__ qkv, bf16* __restrict__ out,
-        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<32>(qkv, out, lse, T, Hq, Hkv, sl2); }
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<32, false>(qkv, out, lse, T, Hq, Hkv, sl2); }
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_64(const bf16* __restrict__ qkv, bf16* __restrict__ out,
-        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<64>(qkv, out, lse, T, Hq, Hkv, sl2); }
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<64, false>(qkv, out, lse, T, Hq, Hkv, sl2); }
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_128(const bf16* __restrict__ qkv, bf16* __restrict__ out,
-        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<128>(qkv, out, lse, T, Hq, Hkv, sl2); }
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<128, false>(qkv, out, lse, T, Hq, Hkv, sl2); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_32(FB_DQ_PARAMS) { fb_dq_body<32, false>(FB_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_64(FB_DQ_PARAMS) { fb_dq_body<64, false>(FB_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_128(FB_DQ_PARAMS) { fb_dq_body<128, false>(FB_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_32(FB_DKDV_PARAMS) { fb_dkdv_body<32, false>(FB_DKDV_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_64(FB_DKDV_PARAMS) { fb_dkdv_body<64, false>(FB_DKDV_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_128(FB_DKDV_PARAMS) { fb_dkdv_body<128, false>(FB_DKDV_ARGS); }
 
 // D = rowsum(dO * O) in fp32 (natural units) per (row, query head): two threads each, hd/2 columns apiece,
 // 16-byte loads (hd % 16 == 0)
@@ -2088,208 +2377,22 @@ extern "C" __global__ void flash_bf16_dpre(const bf16* __restrict__ out, const b
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     if (n < N && half == 0) Dv[((long long)(n / T) * Hq + h) * T + n % T] = acc;
 }
-
-// an 8x8 b16 matrix held as mma fragments (lane l: row l/4, columns 2(l%4), +1) -> its transpose, same layout
-__device__ __forceinline__ unsigned fb_trans(unsigned a) {
-    unsigned d; asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(a)); return d;
-}
-
-// dQ of query tile qt: sum over key tiles kt <= qt of dS_kt K_kt, dS's A fragments read from dsf (written by the
-// dK/dV kernel: tile (b, h, qt, kt) at index qt(qt+1)/2 + kt of the (b, h) run, 512 uint4: [warp's 16 queries]
-// [16 keys][lane]); K and dS tiles pass through shared memory in FB_DQ_STAGES buffers (cp.async, a group per
-// tile, loading two tiles ahead); the RoPE backward in the epilogue
-#define FB_DQ_STAGES 3
-template <int HD>
-__device__ __forceinline__ void fb_dq_body(const bf16* __restrict__ qkv, const uint4* __restrict__ dsf,
-        bf16* __restrict__ dqkv, const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq,
-        int Hkv, float scale) {
-    constexpr int LDS = HD + 8, TILE = 64 * LDS;
-    extern __shared__ __align__(16) unsigned char fb_smem[];
-    uint4* dSs = reinterpret_cast<uint4*>(fb_smem);               // [STAGES][512]
-    bf16* Ks = reinterpret_cast<bf16*>(dSs + FB_DQ_STAGES * 512);  // [STAGES][64][LDS]
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int nqt = (T + 63) / 64, qt = nqt - 1 - blockIdx.x;      // the longest rows start first
-    const int h = blockIdx.y, b = blockIdx.z, kvh = h / (Hq / Hkv);
-    const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
-    const bf16* base = qkv + (long long)b * T * S;
-    const uint4* src = dsf + (((long long)b * Hq + h) * (nqt * (nqt + 1) / 2) + qt * (qt + 1) / 2) * 512;
-    auto issue = [&](int kt) {                                     // tile kt's group (empty past the last)
-        if (kt <= qt) {
-            const int st = kt % FB_DQ_STAGES;
-            fb_load_tile<HD>(Ks + st * TILE, base, kt * 64, T, S, Cq + kvh * HD);
-#pragma unroll
-            for (int f = threadIdx.x; f < 512; f += 128) fb_cp16(dSs + st * 512 + f, src + kt * 512 + f, 16);
-        }
-        fb_commit();
-    };
-    issue(0);
-    issue(1);
-    float dq[HD / 8][4];
-#pragma unroll
-    for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dq[n][e] = 0.f;
-    for (int kt = 0; kt <= qt; kt++) {
-        issue(kt + 2);
-        fb_wait<2>();
-        __syncthreads();                                           // tile kt is in shared memory
-        const int st = kt % FB_DQ_STAGES;
-        unsigned pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const uint4 v = dSs[st * 512 + w * 128 + kk * 32 + lane];
-            pa[kk][0] = v.x; pa[kk][1] = v.y; pa[kk][2] = v.z; pa[kk][3] = v.w;
-        }
-        fb_pm<HD>(dq, pa, Ks + st * TILE, lane);                   // dQ += dS K
-        __syncthreads();                                           // its buffers are refilled next iteration
-    }
-    fb_store_unrotated<HD>(dq, dqkv + (long long)b * T * S + h * HD, S, qt * 64 + w * 16, T, scale, cosv, sinv, g, c);
-}
-
-#define FB_DQ_PARAMS const bf16* __restrict__ qkv, const uint4* __restrict__ dsf, bf16* __restrict__ dqkv, \
-        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale
-#define FB_DQ_ARGS qkv, dsf, dqkv, cosv, sinv, T, Hq, Hkv, scale
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_32(FB_DQ_PARAMS) { fb_dq_body<32>(FB_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_64(FB_DQ_PARAMS) { fb_dq_body<64>(FB_DQ_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_128(FB_DQ_PARAMS) { fb_dq_body<128>(FB_DQ_ARGS); }
-
-// dK, dV of key tile kt (keys kt*64 .. kt*64+63) of kv head blockIdx.y, batch blockIdx.z
-template <int HD>
-__device__ __forceinline__ void fb_dkdv_tile(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
-        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf,
-        const float* __restrict__ cosv, const float* __restrict__ sinv,
-        int T, int Hq, int Hkv, float scale, float sl2, const int kt) {
-    constexpr int LDS = HD + 8, TILE = 64 * LDS;
-    extern __shared__ __align__(16) unsigned char fb_smem[];
-    bf16* Ks = reinterpret_cast<bf16*>(fb_smem);      // [64][LDS] keys of this block
-    bf16* Vs = Ks + TILE;                              // [64][LDS]
-    bf16* Qs = Vs + TILE;                              // [2][64][LDS] query tiles
-    bf16* dOs = Qs + 2 * TILE;                         // [2][64][LDS]
-    float* Ls = reinterpret_cast<float*>(dOs + 2 * TILE);   // [2][64] lse of the query rows
-    float* Ds = Ls + 128;                                    // [2][64] D of the query rows
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    const int nkt = (T + 63) / 64, j = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
-    const int Cq = Hq * HD, Ck = Hkv * HD, S = Cq + 2 * Ck;
-    const bf16* base = qkv + (long long)b * T * S;
-    const bf16* dbase = dout + (long long)b * T * Cq;
-    {
-        const int k0 = kt * 64, nq = nkt - kt, niter = G * nq;     // (query head, query tile kt..nkt-1)
-        auto issue = [&](int it, int buf) {
-            const int hh = j * G + it / nq, qq0 = (kt + it % nq) * 64;
-            fb_load_tile<HD>(Qs + buf * TILE, base, qq0, T, S, hh * HD);
-            fb_load_tile<HD>(dOs + buf * TILE, dbase, qq0, T, Cq, hh * HD);
-            fb_load_vec(Ls + buf * 64, lse + ((long long)b * Hq + hh) * T, qq0, T);
-            fb_load_vec(Ds + buf * 64, Dv + ((long long)b * Hq + hh) * T, qq0, T);
-        };
-        fb_load_tile<HD>(Ks, base, k0, T, S, Cq + j * HD);
-        fb_load_tile<HD>(Vs, base, k0, T, S, Cq + Ck + j * HD);
-        issue(0, 0);
-        fb_commit();
-        float dk[HD / 8][4], dv[HD / 8][4];                        // keys k0 + w*16 + g + 8r
-#pragma unroll
-        for (int n = 0; n < HD / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) { dk[n][e] = 0.f; dv[n][e] = 0.f; }
-        for (int it = 0; it < niter; it++) {
-            if (it + 1 < niter) {
-                issue(it + 1, (it + 1) & 1);
-                fb_commit();
-                fb_wait<1>();
-            } else {
-                fb_wait<0>();
-            }
-            __syncthreads();
-            const int buf = it & 1;
-            const bool diag = it % nq == 0;                        // query tile == key tile
-            const bf16* Qc = Qs + buf * TILE;
-            const bf16* dOc = dOs + buf * TILE;
-            const float* Lc = Ls + buf * 64;
-            const float* Dc = Ds + buf * 64;
-            float p[8][4], dp[8][4];                               // rows: keys; columns: queries 8n + 2c + (e&1)
-#pragma unroll
-            for (int n = 0; n < 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) { p[n][e] = 0.f; dp[n][e] = 0.f; }
-            fb_abt<HD>(p, Ks + w * 16 * LDS, Qc, lane);            // S^T = K Q^T
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const float2 L2 = *reinterpret_cast<const float2*>(Lc + 8 * n + 2 * c);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float v = fb_exp2(p[n][e] * sl2 - ((e & 1) ? L2.y : L2.x));
-                    if (diag && 8 * n + 2 * c + (e & 1) < w * 16 + g + 8 * (e >> 1)) v = 0.f;   // key > query
-                    p[n][e] = v;
-                }
-            }
-            unsigned pa[4][4];
-            fb_c2a(pa, p);
-            fb_pm<HD>(dv, pa, dOc, lane);                          // dV += P^T dO
-            fb_abt<HD>(dp, Vs + w * 16 * LDS, dOc, lane);          // dP^T = V dO^T
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const float2 D2 = *reinterpret_cast<const float2*>(Dc + 8 * n + 2 * c);
-                if constexpr (HD == 128) {     // P^T from its bf16 copy: 16 fewer live registers, no spills
-                    const float2 lo = unpack_bf2(pa[n >> 1][(n & 1) * 2]);
-                    const float2 hi = unpack_bf2(pa[n >> 1][(n & 1) * 2 + 1]);
-                    p[n][0] = lo.x; p[n][1] = lo.y; p[n][2] = hi.x; p[n][3] = hi.y;
-                }
-#pragma unroll
-                for (int e = 0; e < 4; e++) dp[n][e] = p[n][e] * (dp[n][e] - ((e & 1) ? D2.y : D2.x));   // dS^T
-            }
-            fb_c2a(pa, dp);
-            {   // dS (queries x keys) as the dQ kernel's A fragments: its 16 queries 16kk.. by this warp's 16 keys
-                const int qi = kt + it % nq;
-                uint4* dst = dsf + (((long long)b * Hq + j * G + it / nq) * (nkt * (nkt + 1) / 2) + qi * (qi + 1) / 2 + kt) * 512
-                             + w * 32 + lane;
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++)
-                    dst[kk * 128] = make_uint4(fb_trans(pa[kk][0]), fb_trans(pa[kk][2]), fb_trans(pa[kk][1]), fb_trans(pa[kk][3]));
-            }
-            fb_pm<HD>(dk, pa, Qc, lane);                           // dK += dS^T Q
-            __syncthreads();                                       // buffer it&1 is refilled next iteration
-        }
-        bf16* drow = dqkv + (long long)b * T * S + Cq + j * HD;
-        fb_store_unrotated<HD>(dk, drow, S, k0 + w * 16, T, scale, cosv, sinv, g, c);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int t = k0 + w * 16 + g + 8 * r;
-            if (t < T) {
-#pragma unroll
-                for (int n = 0; n < HD / 8; n++)
-                    *reinterpret_cast<unsigned*>(drow + t * S + Ck + 2 * c + 8 * n) = fb_pack(dv[n][2 * r], dv[n][2 * r + 1]);
-            }
-        }
-    }
-}
-
-// pair: the block takes key tiles x and nkt-1-x, so every block has the same causal work
-template <int HD>
-__device__ __forceinline__ void fb_dkdv_body(const bf16* __restrict__ qkv, const bf16* __restrict__ dout,
-        const float* __restrict__ lse, const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf,
-        const float* __restrict__ cosv, const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale,
-        float sl2, int pair) {
-    const int nkt = (T + 63) / 64, kt = blockIdx.x, kt2 = nkt - 1 - kt;
-    fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, kt);
-    if (pair && kt2 != kt) {
-        __syncthreads();                                           // the first key tile's shared memory is consumed
-        fb_dkdv_tile<HD>(qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, kt2);
-    }
-}
-
-#define FB_DKDV_PARAMS const bf16* __restrict__ qkv, const bf16* __restrict__ dout, const float* __restrict__ lse, \
-        const float* __restrict__ Dv, bf16* __restrict__ dqkv, uint4* __restrict__ dsf, const float* __restrict__ cosv, \
-        const float* __restrict__ sinv, int T, int Hq, int Hkv, float scale, float sl2, int pair
-#define FB_DKDV_ARGS qkv, dout, lse, Dv, dqkv, dsf, cosv, sinv, T, Hq, Hkv, scale, sl2, pair
-extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_32(FB_DKDV_PARAMS) { fb_dkdv_body<32>(FB_DKDV_ARGS); }
-extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_64(FB_DKDV_PARAMS) { fb_dkdv_body<64>(FB_DKDV_ARGS); }
-extern "C" __global__ void __launch_bounds__(128) flash_bf16_dkdv_128(FB_DKDV_PARAMS) { fb_dkdv_body<128>(FB_DKDV_ARGS); }
+""")
+# the same kernels on wgmma, head dim 64 (compiled for sm_90a: WG_MODULES)
+FLASH_BF16_WG_SRC = cuda_source("flash_bf16_wg", [flash_name(kind, 64, bf16=True, wg=True) for kind in ("fwd", "dq", "dkdv")],
+                                FLASH_BF16_BODY + r"""
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_64_wg(const bf16* __restrict__ qkv, bf16* __restrict__ out,
+        float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<64, true>(qkv, out, lse, T, Hq, Hkv, sl2); }
+extern "C" __global__ void __launch_bounds__(128) flash_bf16_dq_64_wg(FB_DQ_PARAMS) { fb_dq_body<64, true>(FB_DQ_ARGS); }
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bf16_dkdv_64_wg(FB_DKDV_PARAMS) { fb_dkdv_body<64, true>(FB_DKDV_ARGS); }
 """)
 
 
-# shared memory per block (bytes): tiles of [64][hd+8] bf16 (+ fp32 vectors)
-_FLASH_BF16_SMEM = {"fwd": lambda hd: 5 * 64 * (hd + 8) * 2,
-                    "dq": lambda hd: 3 * (64 * (hd + 8) * 2 + 8192),     # FB_DQ_STAGES x (K, dS tiles)
-                    "dkdv": lambda hd: 6 * 64 * (hd + 8) * 2 + 256 * 4}
+# shared memory per block (bytes): tiles of [64][hd+8] bf16 (+ fp32 vectors); wg: of [64][hd], 1 KB more to align
+_fb_tiles = lambda n, hd, wg: n * 64 * (hd if wg else hd + 8) * 2 + 1024 * wg
+_FLASH_BF16_SMEM = {"fwd": lambda hd, wg=False: _fb_tiles(5, hd, wg),
+                    "dq": lambda hd, wg=False: _fb_tiles(3, hd, wg) + 3 * 8192,    # FB_DQ_STAGES x (K, dS tiles)
+                    "dkdv": lambda hd, wg=False: _fb_tiles(6, hd, wg) + 256 * 4}
 FLASH_BF16_PAIR = 1            # dK/dV blocks take key tiles x and nkt-1-x: equal causal work per block
 
 
@@ -2308,16 +2411,19 @@ def attention_for(attn, cfg, bf16, train=True, prof=None):
     return attn
 
 
-def _flash_bf16_kernel(kind, hd):
+def _flash_bf16_kernel(kind, hd, wg=None):
+    """The kernel of a kind at head dim hd: on wgmma where the device has it and hd is 64 (wg: True / False
+    forces either, for the self-test and bench)."""
     if hd not in BF16_HEAD_DIMS:
         raise UserError(f"bf16 flash attention supports head dims 32, 64 and 128, not {hd} "
                         "(use --precision tf32 or fp32)")
-    return _smem_kernel(flash_name(kind, hd, bf16=True), _FLASH_BF16_SMEM[kind](hd))
+    wg = PROFILE.wgmma and hd == 64 if wg is None else wg
+    return _smem_kernel(flash_name(kind, hd, bf16=True, wg=wg), _FLASH_BF16_SMEM[kind](hd, wg))
 
 
-def flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd):
+def flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd, wg=None):
     """qkv (N, S) bf16 with rotated q, k -> out (N, Cq) bf16, lse (B, Hq, T) fp32 (base 2)."""
-    k, smem = _flash_bf16_kernel("fwd", hd)
+    k, smem = _flash_bf16_kernel("fwd", hd, wg)
     sl2 = 1.0 / math.sqrt(hd) * math.log2(math.e)
     k(((T + 63) // 64, Hq, B), (128,), (qkv, out, lse, I32(T), I32(Hq), I32(Hkv), F32(sl2)), shared_mem=smem)
 
@@ -2328,12 +2434,12 @@ def flash_bf16_scratch(B, T, Hq):
     return {"D": cp.empty((B, Hq, T), np.float32), "dS": cp.empty((B * Hq * nt * (nt + 1) // 2, 512, 4), np.uint32)}
 
 
-def flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd, pair=None):
+def flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd, pair=None, wg=None):
     """-> dqkv (N, S) bf16: dq, dk (rotated back by the RoPE tables cos, sin (ctx, hd/2): the RoPE backward), dv.
     ws: flash_bf16_scratch(B, T, Hq)."""
     pair = FLASH_BF16_PAIR if pair is None else int(pair)
-    kq, sq = _flash_bf16_kernel("dq", hd)
-    kd, sd = _flash_bf16_kernel("dkdv", hd)
+    kq, sq = _flash_bf16_kernel("dq", hd, wg)
+    kd, sd = _flash_bf16_kernel("dkdv", hd, wg)
     scale = 1.0 / math.sqrt(hd)
     nt, N = (T + 63) // 64, B * T
     assert N * Hq * 2 < 2 ** 31
@@ -5526,13 +5632,17 @@ def _find_nvrtc():
 
 ARCHS = ("75", "80", "86", "89", "90")     # the chips CI compiles for: T4 / RTX 20, A100, RTX 30, RTX 40 / L4, H100
 BF16_MODULES = ("flash_bf16", "dec_add")   # the tensor-core kernels (mma.sync bf16): sm_80 on, bf16 only
+# wgmma kernels: sm_90 only, compiled for sm_90a (_k adds -arch=sm_90a to the -arch=sm_90 CuPy passes; NVRTC
+# 12 and 13 compile for sm_90a given both)
+WG_MODULES = ("flash_bf16_wg",)
 
 
 def sources_for(arch):
-    """The modules the engine compiles on a chip of arch ("75", "sm_80", "compute_90"): every one from sm_80;
-    before it, all but the bf16 tensor-core kernels (the engine runs fp32 there)."""
+    """The modules the engine compiles on a chip of arch ("75", "sm_80", "compute_90"): every one from sm_80
+    (the wgmma ones on sm_90 alone); before it, all but the bf16 tensor-core kernels (the engine runs fp32 there)."""
     cc = int(re.sub(r"\D", "", arch))
-    return {n: src for n, src in SOURCES.items() if cc >= 80 or n not in BF16_MODULES}
+    return {n: src for n, src in SOURCES.items()
+            if (cc >= 80 or n not in BF16_MODULES) and (cc == 90 or n not in WG_MODULES)}
 
 
 def compile_check(arch="compute_90", verbose=False, options=(), jobs=1):
@@ -5552,7 +5662,8 @@ def compile_check(arch="compute_90", verbose=False, options=(), jobs=1):
         rc = lib.nvrtcCreateProgram(ctypes.byref(prog), code, f"{name}.cu".encode(), 0, None, None)
         if rc:
             return name, False, f"nvrtcCreateProgram error {rc}"
-        opts = [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *options] + (["--ptxas-options=-v"] if verbose else [])
+        target = arch + "a" if name in WG_MODULES else arch
+        opts = [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *options] + (["--ptxas-options=-v"] if verbose else [])
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         size = ctypes.c_size_t()
@@ -6143,10 +6254,11 @@ def selftest_checks_bf16(rng):
                   rel_err(ce, ces_ref), T32))
         R.append(("  its bf16 gradient", rel_err(dl, ref), TB))
     # tensor-core flash attention (its backward with the RoPE backward): head dims 32, 64, 128, GQA, T not a tile
-    # multiple; determinism
-    for hd, Hq, Hkv, B, T in ((32, 4, 2, 2, 100), (64, 6, 2, 2, 130), (128, 4, 1, 1, 200)):
-        if not flash_fits(hd, True):                              # hd 128's dK/dV tile on 99 KB: check_precision
-            continue                                              # refuses bf16 there
+    # multiple; determinism; at head dim 64 on sm_90, the wgmma kernels and the mma.sync ones
+    for hd, Hq, Hkv, B, T, wg in ((32, 4, 2, 2, 100, False), (64, 6, 2, 2, 130, False), (64, 6, 2, 2, 130, True),
+                                  (128, 4, 1, 1, 200, False)):
+        if not flash_fits(hd, True) or (wg and not PROFILE.wgmma):    # hd 128's dK/dV tile on 99 KB: check_precision
+            continue                                                  # refuses bf16 there
         N, Cq, Ck = B * T, Hq * hd, Hkv * hd
         qkv, dout = _rb(randn(N, Cq + 2 * Ck) * 1.5), _rb(randn(N, Cq))
         q, k, v = (qkv[:, :Cq].reshape(N, Hq, hd), qkv[:, Cq:Cq + Ck].reshape(N, Hkv, hd),
@@ -6161,10 +6273,10 @@ def selftest_checks_bf16(rng):
             out, lse, dqkv, ws = _nanb(N, Cq), _nan(B, Hq, T), _nanb(N, Cq + 2 * Ck), flash_bf16_scratch(B, T, Hq)
             ws["D"].fill(np.nan)
             ws["dS"].fill(0x7FC07FC0)                                  # bf16 NaNs: a tile read unwritten shows
-            flash_bf16_fwd(g_qkv, out, lse, B, T, Hq, Hkv, hd)
-            flash_bf16_bwd(g_qkv, out, g_do, lse, dqkv, ws, g_cos, g_sin, B, T, Hq, Hkv, hd)
+            flash_bf16_fwd(g_qkv, out, lse, B, T, Hq, Hkv, hd, wg=wg)
+            flash_bf16_bwd(g_qkv, out, g_do, lse, dqkv, ws, g_cos, g_sin, B, T, Hq, Hkv, hd, wg=wg)
             runs.append((cp.asnumpy(out), cp.asnumpy(lse), cp.asnumpy(dqkv)))
-        tag = f"flash bf16 hd={hd} Hq/Hkv={Hq}/{Hkv} T={T}"
+        tag = f"flash bf16{' wgmma' if wg else ''} hd={hd} Hq/Hkv={Hq}/{Hkv} T={T}"
         out, lse, d = runs[0]
         R.append((f"{tag} lse", rel_err(lse, lse_r), T32))
         R.append((f"{tag} fwd", rel_err(out, out_r.reshape(N, Cq)), 1e-2))
@@ -6433,10 +6545,11 @@ def bench_attention(B=16, Hq=12, Hkv=4, T=512, hd=64, reps=20):
     out, dqkv = cp.empty((N, Cq), BF), cp.empty((N, Cq + 2 * Ck), BF)
     lse, Dv, ws = _nan(B, Hq, T), _nan(B, Hq, T), flash_bf16_scratch(B, T, Hq)
     cos, sin = (_d(t) for t in pl.rope_tables(T, hd, np.float64))      # the bf16 backward rotates dq, dk back
-    res["flash-bf16"] = (_time(lambda: flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd), reps),
-                         _time(lambda: (flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd),
-                                        flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd)),
-                               reps))
+    for tag, wg in (("flash-bf16", None),) + ((("flash-bf16-mma", False),) if PROFILE.wgmma and hd == 64 else ()):
+        res[tag] = (_time(lambda: flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd, wg=wg), reps),
+                    _time(lambda: (flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd, wg=wg),
+                                   flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd, wg=wg)),
+                          reps))
     qkv, dout = _d(qkv_h), _d(dout_h)
     out, dqkv, dqp = _nan(N, Cq), _nan(N, Cq + 2 * Ck), _nan((T + 63) // 64, N, Cq)
     if not flash_fits(hd):                     # fp32 flash's backward tile at hd 64 is over 99 KB (sm_86, sm_89)
@@ -6588,7 +6701,8 @@ def cmd_bench(argv):
               f"{r['host_ms']:9.2f}")
     print("\nattention alone, B=16 Hq=12 Hkv=4 T=512 hd=64 (median of 20, ms):")
     print(f"{'kernel':<34}{'fwd':>8}{'fwd+bwd':>9}")
-    words = {"flash-bf16": "flash bf16 (tensor cores)", "flash-fp32": "flash fp32",
+    words = {"flash-bf16": f"flash bf16 ({'wgmma' if PROFILE.wgmma else 'tensor cores'})",
+             "flash-bf16-mma": "flash bf16 on mma.sync", "flash-fp32": "flash fp32",
              "naive": "naive fp32 (T x T in memory)", "naive-tf32": "naive, TF32 products"}
     for k, (f, fb) in att.items():
         print(f"{words[k]:<34}{f:8.3f}{fb:9.3f}")
