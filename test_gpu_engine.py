@@ -551,6 +551,29 @@ def test_inference_produces_text(tmp_path):
 
 
 @pytest.mark.gpu
+def test_wgmma_flash_gives_the_mma_sync_bits():
+    """On sm_90 the bf16 flash kernels at head dim 64 run on wgmma: the same products with the same C fragments
+    as the mma.sync kernels, so the same bits (out, lse and dq, dk, dv), on ragged T and every GQA ratio. A wrong
+    swizzle, descriptor or missing wait changes them."""
+    cp = nc.gpu()
+    if not nc.PROFILE.wgmma:
+        pytest.skip("wgmma is sm_90's")
+    rng = np.random.default_rng(30)
+    for B, T, Hq, Hkv in ((2, 512, 12, 4), (3, 200, 6, 2), (1, 1, 4, 2), (2, 65, 4, 4)):
+        N, Cq, Ck = B * T, Hq * 64, Hkv * 64
+        qkv, dout = (cp.asarray(nc.bf16_bits(rng.standard_normal(s))) for s in ((N, Cq + 2 * Ck), (N, Cq)))
+        cos, sin = (cp.asarray(t.astype(np.float32)) for t in pl.rope_tables(max(T, 2), 64, np.float64))
+        runs = []
+        for wg in (False, True):
+            out, lse, dqkv = cp.zeros((N, Cq), nc.BF), cp.zeros((B, Hq, T), np.float32), cp.zeros((N, Cq + 2 * Ck), nc.BF)
+            ws = nc.flash_bf16_scratch(B, T, Hq)
+            nc.flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, 64, wg=wg)
+            nc.flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, 64, wg=wg)
+            runs.append([a.get().view(np.uint16 if a.dtype == nc.BF else np.uint32) for a in (out, lse, dqkv)])
+        assert all(np.array_equal(a, b) for a, b in zip(*runs)), (B, T, Hq, Hkv)
+
+
+@pytest.mark.gpu
 def test_bf16_gradcheck_passes():
     r = run_gpu("g", "--precision", "bf16")
     assert r.returncode == 0, r.stdout + r.stderr
