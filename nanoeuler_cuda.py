@@ -7,8 +7,8 @@ precisions (--precision, CONTRACT.md "Precision on the GPU"): fp32 (the referenc
 (fp32 storage, TF32 tensor-core GEMMs) and bf16, the default for training: mixed precision as llm.c does it,
 fp32 master weights, gradients and Adam moments, a bf16 copy of the weights that the AdamW kernel refreshes,
 bf16 activations and GEMM inputs with fp32 accumulation (cublasGemmEx), the residual stream, norm
-statistics, softmax, log-sum-exp and loss in fp32, tensor-core FlashAttention in bf16 (mma.sync through
-inline PTX), and the logits + MTP cross-entropy fused and chunked over rows, so the N x (n_mtp V) logits
+statistics, softmax, log-sum-exp and loss in fp32, tensor-core FlashAttention in bf16 (mma.sync, wgmma on sm_90,
+through inline PTX), and the logits + MTP cross-entropy fused and chunked over rows, so the N x (n_mtp V) logits
 never exist at once. Parameters, gradients and Adam moments are each one flat device buffer
 with the layout of pipeline.Params.flat, so moving weights in or out is one copy. No float atomics
 anywhere: every reduction has a fixed order, so a run is bit-reproducible and a resumed run continues
