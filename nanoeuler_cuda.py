@@ -1892,7 +1892,7 @@ template <bool WG> __device__ __forceinline__ unsigned char* fb_smem_base() {
 }
 // rows [r0, r0+64) of a row-major (.., ld) bf16 matrix, columns col..col+HD -> a smem tile; zeros past T.
 // WG: 16-byte chunk ch of row r goes to chunk ch ^ (r % 8) of the row (the 128-byte swizzle wgmma reads)
-template <int HD, bool WG = false>
+template <int HD, bool WG>
 __device__ __forceinline__ void fb_load_tile(bf16* dst, const bf16* src, int r0, int T, long long ld, int col) {
     static_assert(!WG || HD == 64, "wgmma tiles are rows of 128 bytes");
     constexpr int CH = HD / 8, LDS = fb_lds<HD, WG>();
@@ -1947,12 +1947,11 @@ template <int HD> __device__ __forceinline__ unsigned long long wg_desc(const bf
 #define WG_ACC4(a, n) "+f"(a[n][0]), "+f"(a[n][1]), "+f"(a[n][2]), "+f"(a[n][3])
 #define WG_ACC(a) WG_ACC4(a, 0), WG_ACC4(a, 1), WG_ACC4(a, 2), WG_ACC4(a, 3), WG_ACC4(a, 4), WG_ACC4(a, 5), \
                   WG_ACC4(a, 6), WG_ACC4(a, 7)
-// The products run asynchronously: wg_abt / wg_pm fence (acc and the A registers were written), issue, commit a
-// group; wg_wait<N> waits until at most the N newest groups are in flight. Until then a product's registers are
-// its own: wg_hold, after the wait, marks them written there, so the compiler moves no read of an output, nor
-// a write over a register operand, above the wait.
-template <int N> __device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+// The products run asynchronously: wg_abt / wg_pm fence (acc and the A registers were written), issue, commit
+// and wait (wg_wait). Until then a product's registers are its own: wg_hold, after the wait, marks them written
+// there, so the compiler moves no read of an output, nor a write over a register operand, above the wait.
+template <int HD> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 __device__ __forceinline__ void wg_hold(float acc[8][4]) { asm volatile("" : WG_ACC(acc) :: "memory"); }
 __device__ __forceinline__ void wg_hold(unsigned pa[4][4]) {
@@ -1968,7 +1967,8 @@ template <int HD> __device__ __forceinline__ void wg_abt(float acc[8][4], const 
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", %32, %33, p, 1, 1, 0, 0;\n}\n"
                      : WG_ACC(acc) : "l"(wg_desc<HD>(A + kk * 16)), "l"(wg_desc<HD>(Bm + kk * 16)), "r"(1));
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    wg_wait<HD>();
+    wg_hold(acc);
 }
 // acc (64 x HD) += P (64 x 64, A fragments pa[k-step] in registers) * M (64 x HD tile, read transposed: MN-major)
 template <int HD> __device__ __forceinline__ void wg_pm(float acc[8][4], unsigned pa[4][4], const bf16* M) {
@@ -1979,19 +1979,17 @@ template <int HD> __device__ __forceinline__ void wg_pm(float acc[8][4], unsigne
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
                      : WG_ACC(acc) : "r"(pa[kk][0]), "r"(pa[kk][1]), "r"(pa[kk][2]), "r"(pa[kk][3]),
                        "l"(wg_desc<HD>(M + kk * 16 * HD)), "r"(1));
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    wg_wait<HD>();
+    wg_hold(acc);
+    wg_hold(pa);
 }
 
 // acc (16 x 64, n-tile n = columns 8n..8n+7) += A (16 x HD) * Bm (64 x HD)^T, the warp's 16 rows of the A tile;
-// WG: the warpgroup's 64 (wg_abt), waited for unless WAIT is false
-template <int HD, bool WG, bool WAIT = true>
+// WG: the warpgroup's 64 (wg_abt)
+template <int HD, bool WG>
 __device__ __forceinline__ void fb_abt(float acc[8][4], const bf16* A, const bf16* Bm, int lane) {
     if constexpr (WG) {
         wg_abt<HD>(acc, A, Bm);
-        if constexpr (WAIT) {
-            wg_wait<0>();
-            wg_hold(acc);
-        }
         return;
     }
     constexpr int LDS = HD + 8;
@@ -2011,16 +2009,11 @@ __device__ __forceinline__ void fb_abt(float acc[8][4], const bf16* A, const bf1
 }
 
 // acc (16 x HD) += P (16 x 64, A fragments pa[k-step]) * M (64 x HD, smem rows of HD+8); .trans gives B = M[k][n].
-// WG: wg_pm, waited for unless WAIT is false
-template <int HD, bool WG, bool WAIT = true>
+// WG: wg_pm
+template <int HD, bool WG>
 __device__ __forceinline__ void fb_pm(float acc[HD / 8][4], unsigned pa[4][4], const bf16* M, int lane) {
     if constexpr (WG) {
         wg_pm<HD>(acc, pa, M);
-        if constexpr (WAIT) {
-            wg_wait<0>();
-            wg_hold(acc);
-            wg_hold(pa);
-        }
         return;
     }
     constexpr int LDS = HD + 8;
