@@ -2371,8 +2371,10 @@ extern "C" __global__ void flash_bf16_dpre(const bf16* __restrict__ out, const b
     if (n < N && half == 0) Dv[((long long)(n / T) * Hq + h) * T + n % T] = acc;
 }
 """)
-# the same kernels on wgmma, head dim 64 (compiled for sm_90a: WG_MODULES)
-FLASH_BF16_WG_SRC = cuda_source("flash_bf16_wg", [flash_name(kind, 64, bf16=True, wg=True) for kind in ("fwd", "dq", "dkdv")],
+# the same kernels on wgmma, head dim WG_HEAD_DIM (compiled for sm_90a: WG_MODULES)
+WG_HEAD_DIM = 64               # wgmma's tiles are rows of 128 bytes (fb_load_tile)
+FLASH_BF16_WG_SRC = cuda_source("flash_bf16_wg", [flash_name(kind, WG_HEAD_DIM, bf16=True, wg=True)
+                                                  for kind in ("fwd", "dq", "dkdv")],
                                 FLASH_BF16_BODY + r"""
 extern "C" __global__ void __launch_bounds__(128) flash_bf16_fwd_64_wg(const bf16* __restrict__ qkv, bf16* __restrict__ out,
         float* __restrict__ lse, int T, int Hq, int Hkv, float sl2) { fb_fwd_body<64, true>(qkv, out, lse, T, Hq, Hkv, sl2); }
@@ -2404,13 +2406,18 @@ def attention_for(attn, cfg, bf16, train=True, prof=None):
     return attn
 
 
+def flash_wg(hd, prof=None):
+    """Whether the bf16 flash kernels of head dim hd run on wgmma on the device (prof: a DeviceProfile)."""
+    return (prof or PROFILE).wgmma and hd == WG_HEAD_DIM
+
+
 def _flash_bf16_kernel(kind, hd, wg=None):
-    """The kernel of a kind at head dim hd: on wgmma where the device has it and hd is 64 (wg: True / False
-    forces either, for the self-test and bench)."""
+    """The kernel of a kind at head dim hd: on wgmma where flash_wg (wg: True / False forces either, for the
+    self-test and bench)."""
     if hd not in BF16_HEAD_DIMS:
         raise UserError(f"bf16 flash attention supports head dims 32, 64 and 128, not {hd} "
                         "(use --precision tf32 or fp32)")
-    wg = PROFILE.wgmma and hd == 64 if wg is None else wg
+    wg = flash_wg(hd) if wg is None else wg
     return _smem_kernel(flash_name(kind, hd, bf16=True, wg=wg), _FLASH_BF16_SMEM[kind](hd, wg))
 
 
@@ -6250,7 +6257,7 @@ def selftest_checks_bf16(rng):
     # multiple; determinism; at head dim 64 on sm_90, the wgmma kernels and the mma.sync ones
     for hd, Hq, Hkv, B, T, wg in ((32, 4, 2, 2, 100, False), (64, 6, 2, 2, 130, False), (64, 6, 2, 2, 130, True),
                                   (128, 4, 1, 1, 200, False)):
-        if not flash_fits(hd, True) or (wg and not PROFILE.wgmma):    # hd 128's dK/dV tile on 99 KB: check_precision
+        if not flash_fits(hd, True) or (wg and not flash_wg(hd)):     # hd 128's dK/dV tile on 99 KB: check_precision
             continue                                                  # refuses bf16 there
         N, Cq, Ck = B * T, Hq * hd, Hkv * hd
         qkv, dout = _rb(randn(N, Cq + 2 * Ck) * 1.5), _rb(randn(N, Cq))
@@ -6538,7 +6545,7 @@ def bench_attention(B=16, Hq=12, Hkv=4, T=512, hd=64, reps=20):
     out, dqkv = cp.empty((N, Cq), BF), cp.empty((N, Cq + 2 * Ck), BF)
     lse, Dv, ws = _nan(B, Hq, T), _nan(B, Hq, T), flash_bf16_scratch(B, T, Hq)
     cos, sin = (_d(t) for t in pl.rope_tables(T, hd, np.float64))      # the bf16 backward rotates dq, dk back
-    for tag, wg in (("flash-bf16", None),) + ((("flash-bf16-mma", False),) if PROFILE.wgmma and hd == 64 else ()):
+    for tag, wg in (("flash-bf16", None),) + ((("flash-bf16-mma", False),) if flash_wg(hd) else ()):
         res[tag] = (_time(lambda: flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd, wg=wg), reps),
                     _time(lambda: (flash_bf16_fwd(qkv, out, lse, B, T, Hq, Hkv, hd, wg=wg),
                                    flash_bf16_bwd(qkv, out, dout, lse, dqkv, ws, cos, sin, B, T, Hq, Hkv, hd, wg=wg)),
@@ -6694,7 +6701,7 @@ def cmd_bench(argv):
               f"{r['host_ms']:9.2f}")
     print("\nattention alone, B=16 Hq=12 Hkv=4 T=512 hd=64 (median of 20, ms):")
     print(f"{'kernel':<34}{'fwd':>8}{'fwd+bwd':>9}")
-    words = {"flash-bf16": f"flash bf16 ({'wgmma' if PROFILE.wgmma else 'tensor cores'})",
+    words = {"flash-bf16": f"flash bf16 ({'wgmma' if 'flash-bf16-mma' in att else 'tensor cores'})",
              "flash-bf16-mma": "flash bf16 on mma.sync", "flash-fp32": "flash fp32",
              "naive": "naive fp32 (T x T in memory)", "naive-tf32": "naive, TF32 products"}
     for k, (f, fb) in att.items():

@@ -69,7 +69,7 @@ def test_the_planner_fits_every_profile(key, monkeypatch):
         prec = nc.check_precision("bf16", cfg, "flash", explicit=False)
         assert prec == ("bf16" if prof.bf16 and hd in nc.BF16_HEAD_DIMS else "tf32" if prof.bf16 else "fp32"), name
         if prec == "bf16":
-            assert all(fits(f(hd, wg)) for f in nc._FLASH_BF16_SMEM.values() for wg in (False, prof.wgmma and hd == 64))
+            assert all(fits(f(hd, wg)) for f in nc._FLASH_BF16_SMEM.values() for wg in (False, nc.flash_wg(hd, prof)))
         attn = nc.attention_for("flash", cfg, prec == "bf16")
         if attn == "flash" and prec != "bf16" and hd in nc.FLASH_HEAD_DIMS:
             assert all(fits(f(hd)) for f in nc._FLASH_SMEM.values())
@@ -211,7 +211,7 @@ def test_every_kernel_has_a_launcher():
         assert name_fn in calls[launcher] and ("_k" in calls[launcher] or "_smem_kernel" in calls[launcher])
     launched |= {nc.flash_name(kind, hd) for kind in nc._FLASH_SMEM for hd in nc.FLASH_HEAD_DIMS}
     launched |= {nc.flash_name(kind, hd, bf16=True, wg=wg) for kind in nc._FLASH_BF16_SMEM
-                 for hd, wg in [(hd, False) for hd in nc.BF16_HEAD_DIMS] + [(64, True)]}
+                 for hd, wg in [(hd, False) for hd in nc.BF16_HEAD_DIMS] + [(nc.WG_HEAD_DIM, True)]}
     launched |= {nc.matvec_name(epi, nc.matvec_plan(n, 1024, nc.EMULATE["h200"])[1], rec) for epi in nc.MATVEC_EPI
                  for n in (1, 200, 300, 1000) for rec in (False, True)}
     launched |= {nc.attn_cached_name(hd, bf16, rec=True) for hd in nc.ATTN_CACHED_HD for bf16 in (False, True)}
