@@ -242,7 +242,7 @@ MUTANTS = [
     ("run log keeps a step a resume repeated", "pipeline.py",
      [('while recs and recs[-1]["step"] >= rec["step"]:', 'while recs and recs[-1]["step"] > rec["step"]:', 1)], _REPORT),
     # issue 31's, from H-train31 (1d06231)
-    ("resume keeps the dead steps in the log", "pipeline.py", [('ok = rec["step"] <= step', "ok = True", 1)],
+    ("resume keeps the dead steps in the log", "pipeline.py", [('ok = 0 < step and rec["step"] <= step', "ok = True", 1)],
      ("test_cpu_engine.py::test_a_run_logs_each_step_once_and_one_run_only",)),
     ("resume accepts another batch", "pipeline.py",
      [("for k in shape if args[k] != run.get(k, defaults[k])]", "for k in shape if False]", 1)],

@@ -14,6 +14,7 @@ Sections: errors | config | parameters | objective and schedule | data | checkpo
 SFT | DPO | chat | training | command line.
 """
 import argparse
+import contextlib
 import difflib
 import functools
 import json
@@ -1133,13 +1134,11 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
               f"drift chosen {m['drift_chosen']:+.3f}, rejected {m['drift_rejected']:+.3f}", flush=True)
         return m["dpo_loss"], None, {k: round(v, 5) for k, v in m.items()}
 
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, LOG), "w") as log:   # a new log, from step 0; train_loop logs the rest
-        log.write(json.dumps({"step": 0, **val_fn()[2]}) + "\n")
+    first = {"step": 0, **val_fn()[2]}
     args = dict(TRAIN_DEFAULTS, steps=a.steps, schedule_steps=a.steps, lr=a.lr, warmup=min(20, a.steps // 10 + 1),
                 batch=a.batch, seq=T, eval_every=max(1, a.steps // 5), sample_every=0, ckpt_every=10 ** 9,
                 log_every=10, data=a.data, beta=a.beta)
-    train_loop(make_trainer(), tok, train, args, a.out, val_fn, extra={"kind": "chat", "stage": "dpo"})
+    train_loop(make_trainer(), tok, train, args, a.out, val_fn, extra={"kind": "chat", "stage": "dpo"}, first=[first])
     print(f"DPO held-out preference accuracy: before {seen[0]['pref_acc']:.1%} -> after {seen[-1]['pref_acc']:.1%}; "
           f"reward margin {seen[-1]['margin']:+.4f}; chat checkpoint {ckpt_path} ({time.time() - t0:.0f} s)")
 
@@ -1279,7 +1278,7 @@ def atomic_write(path, text):
 
 def start_log(out_dir, step):
     """Readies a run's log for the steps after `step`: keeps its records of steps up to `step` (a resume's
-    checkpoint; 0, a new run: none but a step-0 record written for it) and drops the rest, the steps of a
+    checkpoint; 0, a new run: none) and drops the rest, the steps of a
     run that died after its last checkpoint or of an earlier run that left none, so the log holds each step
     once and one run only; rewritten whole or not at all. A new run drops the old checkpoint's evals too."""
     path = os.path.join(out_dir, LOG)
@@ -1292,7 +1291,7 @@ def start_log(out_dir, step):
         for line in f:
             try:
                 rec = json.loads(line)
-                ok = rec["step"] <= step
+                ok = 0 < step and rec["step"] <= step
             except (ValueError, KeyError, TypeError):
                 ok = False                           # a line cut short by a kill
             if ok:
@@ -1318,23 +1317,33 @@ def read_log(out_dir):
     return recs
 
 
-def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None):
+def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, start=0, sample_fn=None, first=()):
     """Steps start .. args['steps']-1 of any engine's trainer on batches.next(): one JSONL line per step,
     a progress line every log_every steps, validation, samples, checkpoints, Ctrl-C and NaN handling.
     args: steps, schedule_steps, lr, warmup, eval_every, sample_every, ckpt_every, log_every, stop_after.
-    val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample. Returns the
+    val_fn() -> (val loss, bits per byte[, a dict for the log]); sample_fn(step) prints a sample; first: log
+    records of step 0. A new run over an old run's checkpoint (--force) logs beside the old log until its
+    first checkpoint, which then takes the old log's place and drops the old evals. Returns the
     last validation loss; raises KeyboardInterrupt after saving when Ctrl-C stopped the run. On several GPUs
     every rank runs it with its trainer (trainer.rank, trainer.world): the checkpoint is a collective that only
     rank 0 writes, only rank 0 writes the log, and a Ctrl-C on any rank stops them all at the next progress
     line."""
-    ckpt_path = os.path.join(out_dir, "ckpt.npz")
+    ckpt_path, log_path = os.path.join(out_dir, "ckpt.npz"), os.path.join(out_dir, LOG)
     rank, world = getattr(trainer, "rank", 0), getattr(trainer, "world", 1)
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)          # made here: a run that fails before its first step leaves none
-        start_log(out_dir, start)
+        if start == 0 and os.path.exists(ckpt_path):     # --force: the old run's log and evals stay with its
+            log_path += ".new"                           # checkpoint until this run's first replaces it
+            print(f"note: this run logs to {log_path} until its first checkpoint replaces {ckpt_path}", flush=True)
+            with open(log_path, "w"):
+                pass
+        else:
+            start_log(out_dir, start)
     flag = StopFlag("this step" if world == 1 else "the steps up to the next progress line")
     try:
-        with open(os.path.join(out_dir, LOG) if rank == 0 else os.devnull, "a") as log:
+        with open(log_path if rank == 0 else os.devnull, "a") as log:
+            for rec in first:                        # records before step 1 (DPO's held-out metrics at step 0)
+                log.write(json.dumps(rec) + "\n")
             step, val_loss, stopped = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra,
                                                    start, sample_fn, rank, world)
     finally:
@@ -1349,14 +1358,27 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
     schedule = args.get("schedule_steps") or steps
     minutes = args.get("ckpt_minutes") or 0
     saved, t_saved = start or None, time.time()     # the step in ckpt_path of this run (None: none yet), and when
+    fresh_log = log.name if log.name.endswith(".new") else None     # train_loop's log beside an old run's
+
+    def kept():
+        return f"the checkpoint of step {saved} is kept ({ckpt_path})" if saved else "no checkpoint was written yet"
 
     def checkpoint(step):
-        nonlocal saved, t_saved
+        nonlocal saved, t_saved, fresh_log
         state = trainer.host_state()                 # on several GPUs a collective: every rank takes part
         if rank == 0:
             P, m, v = state
+            # the weights can go NaN a step or two before the loss that would show it: never save them
+            if not all(np.isfinite(t.flat).all() for t in state):
+                raise UserError(f"the weights hold NaN or infinite values after step {step}; stopped, {kept()}; "
+                                "try a lower --lr")
             save_checkpoint(ckpt_path, P, tok, {"step": step, "adam_m": m, "adam_v": v, "data": batches.state(),
                                                 "train": args}, extra)
+            if fresh_log:                            # this run's first checkpoint: its log is the folder's now
+                os.replace(fresh_log, fresh_log[:-len(".new")])
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(os.path.dirname(ckpt_path), EVALS))
+                fresh_log = None
         saved, t_saved = step, time.time()
 
     step, pending, t_last = start, [], time.time()
@@ -1385,8 +1407,7 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
         tokens_since_print += sum(n for _, _, n in pending)
         for (s, s_lr, n_tokens), (objective, ces, norm) in zip(pending, results):
             if not math.isfinite(objective):
-                kept = f"the checkpoint of step {saved} is kept ({ckpt_path})" if saved else "no checkpoint was written yet"
-                raise UserError(f"loss is {objective} at step {s}; stopped, {kept}; try a lower --lr")
+                raise UserError(f"loss is {objective} at step {s}; stopped, {kept()}; try a lower --lr")
             rec = {"step": s, "loss": round(ces[0], 5), "objective": round(objective, 5), "lr": s_lr,
                    "grad_norm": round(norm, 4), "ms": round(dt * 1e3, 2), "tok_s": round(n_tokens / dt),
                    "tokens": n_tokens}                  # this step's: batch x grad-accum x seq x GPUs

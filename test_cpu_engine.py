@@ -450,9 +450,10 @@ class _ObjectiveTrainer:
     objectives[k - 1]; it changes no weights."""
     sync_every_step = True
 
-    def __init__(self, objectives, start=0):
+    def __init__(self, objectives, start=0, nan_from=None):
         self.cfg = pl.CONFIGS["tiny"]
         self.P, self.objectives, self.k = pl.Params.init(self.cfg), objectives, start
+        self.nan_from = nan_from                     # the step after which the weights are NaN, the loss not yet
 
     def step(self, x, y, lr):
         self.k += 1
@@ -462,14 +463,17 @@ class _ObjectiveTrainer:
         return [(o, [o] * 3, 0.5)]
 
     def host_state(self):
+        if self.nan_from is not None and self.k >= self.nan_from:
+            self.P.flat[7] = np.nan
         return self.P, pl.Params(self.cfg), pl.Params(self.cfg)
 
 
-def _fake_run(out, objectives, start=0, **args):
+def _fake_run(out, objectives, start=0, nan_from=None, **args):
     batches = pl.Batches(np.arange(1000, dtype=np.uint16) % 256, 2, 8)
     args = dict(pl.TRAIN_DEFAULTS, **{"steps": len(objectives), "schedule_steps": len(objectives), "log_every": 1,
                                       "ckpt_every": 1000, **args})
-    pl.train_loop(_ObjectiveTrainer(objectives, start), bpe.Tokenizer([]), batches, args, str(out), start=start)
+    pl.train_loop(_ObjectiveTrainer(objectives, start, nan_from), bpe.Tokenizer([]), batches, args, str(out),
+                  start=start)
 
 
 def _logged_steps(out):
@@ -500,6 +504,31 @@ def test_nan_loss_names_only_a_checkpoint_that_exists(tmp_path):
     with pytest.raises(pl.UserError, match=r"at step 3; stopped, the checkpoint of step 2 is kept \(.*ckpt.npz\)"):
         _fake_run(tmp_path / "b", [3.0, 3.0, math.nan], ckpt_minutes=1e-9)     # every step is 'due'
     assert pl.load_checkpoint(str(tmp_path / "b"), want_state=True)[2]["step"] == 2
+
+
+def test_weights_gone_nan_never_replace_the_last_checkpoint(tmp_path):
+    """The weights go NaN a step or two before the loss shows it: a checkpoint of them would replace the last
+    good one with one that nothing can load. The run stops there, and the message is true."""
+    with pytest.raises(pl.UserError, match=r"NaN or infinite values after step 3; stopped, the checkpoint of step 2 "
+                                           r"is kept \(.*ckpt.npz\)"):
+        _fake_run(tmp_path, [3.0] * 5, nan_from=3, ckpt_every=1)
+    assert pl.load_checkpoint(str(tmp_path), want_state=True)[2]["step"] == 2
+
+
+def test_a_forced_run_keeps_the_old_runs_log_until_its_first_checkpoint(tmp_path):
+    """train --force over a finished run: a failure before the new run's first checkpoint leaves the folder's
+    checkpoint, log and evals all of the old run (so a resume goes on from them); its first checkpoint
+    replaces all three."""
+    out = tmp_path / "run"
+    _fake_run(out, [3.0] * 4)
+    (out / pl.EVALS).write_text('{"task": "bpb", "bpb": 1.0}\n')
+    old = {name: (out / name).read_bytes() for name in ("ckpt.npz", pl.LOG, pl.EVALS)}
+    with pytest.raises(pl.UserError, match="loss is nan at step 2; stopped, no checkpoint was written yet"):
+        _fake_run(out, [5.0, math.nan, 5.0], ckpt_every=2)
+    assert {name: (out / name).read_bytes() for name in old} == old
+    _fake_run(out, [5.0, 5.0, 5.0], ckpt_every=2)
+    assert _logged_steps(out) == [1, 2, 3] and [json.loads(l)["loss"] for l in open(out / pl.LOG)] == [5.0] * 3
+    assert sorted(os.listdir(out)) == ["ckpt.npz", pl.LOG]      # the evals of the old checkpoint are gone
 
 
 def test_a_run_logs_each_step_once_and_one_run_only(tmp_path):
