@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -401,12 +402,12 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
         check_vocab_fits(tok, cfg, cfg_name, f"tokenizer {tok_path}")
         print(f"data: {data_path} (tokenizer {tok_path})")
         return load_tokens(data_path, tok.vocab_size), tok
-    if data_path:
+    if data_path is not None:
         text, what = read_text(data_path), f"data: {data_path}"
-        key = f"{os.path.basename(data_path)}.{os.path.getsize(data_path)}.{int(os.path.getmtime(data_path))}"
     else:
         text, what = default_corpus()
-        key = f"default.{len(text)}"
+    # keyed by content: two files of one name, size and second (a copy, an edit) are two corpora
+    key = f"{os.path.basename(data_path or 'default')}.{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     base = os.path.join(cache_dir, f"{key}.v{cfg.vocab}")
     if os.path.exists(base + ".bin") and os.path.exists(base + ".bpe"):
         print(f"{what} (tokens cached in {base}.bin)", flush=True)

@@ -610,6 +610,19 @@ def test_train_says_what_it_does_before_the_slow_work(tmp_path, capsys):
     assert "training a 512-id tokenizer" in first
 
 
+def test_two_corpora_of_one_name_size_and_time_are_cached_apart(tmp_path):
+    """The token cache is keyed by content: a file of the same name, size and modification second as a cached
+    one (a copy edited within a second, another folder's) is tokenised anew, not read from the other's cache."""
+    texts = {"k1": "abcdefgh " * 3000, "k2": "qrstuvwz " * 3000}
+    for d, text in texts.items():
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "corpus.txt").write_text(text)
+        os.utime(tmp_path / d / "corpus.txt", (1e9, 1e9))
+    for d, text in texts.items():
+        tokens, tok = pl.prepare_data(str(tmp_path / d / "corpus.txt"), pl.CONFIGS["tiny"], "tiny", str(tmp_path / "c"))
+        assert text.startswith(tok.decode(tokens[:50].tolist()))
+
+
 # ----------------------------------------------------------------------------------------------------
 # SFT and chat
 
