@@ -451,6 +451,9 @@ def main(argv=None):
         args = ap.parse_args(argv)
         if args.command != "stats":                  # an unusable -o is found before the slow work
             pl.writable(args.out, "-o", force=True)  # (a file there is replaced, as make data wants)
+            for name in (args.file, getattr(args, "tokfile", None)):    # but never an input
+                if name and os.path.exists(name) and os.path.exists(args.out) and os.path.samefile(name, args.out):
+                    raise ValueError(f"-o {args.out} is the input {name}; give another file name")
         if args.command == "train":
             t0 = time.perf_counter()
             tok = Tokenizer.train(_read_text(args.file), args.vocab, verbose=True)

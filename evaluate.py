@@ -34,6 +34,11 @@ def read_log(run_dir):
     recs = [rec for rec in pl.read_log(run_dir) if "loss" in rec]
     if not recs:
         raise pl.UserError(f"{path} holds no steps; the run has not logged yet")
+    for rec in recs:                                    # a hand-edited or foreign log: say where, not a traceback
+        bad = [k for k in ("loss", "val_loss", "ms", "tokens", "tok_s") if k in rec and
+               (isinstance(rec[k], bool) or not isinstance(rec[k], (int, float)))]
+        if bad:
+            raise pl.UserError(f"{path}: step {rec['step']} has {bad[0]} {rec[bad[0]]!r}, not a number; the log is damaged")
     return recs
 
 
@@ -53,6 +58,17 @@ def curves(run_dir):
                 val_step=step[val] if len(val) else step[:0], val_tokens=tokens[val] if len(val) else tokens[:0],
                 val_wall=wall[val] if len(val) else wall[:0],
                 val_loss=np.array([recs[i]["val_loss"] for i in val], float), recs=recs)
+
+
+def plot_out(path):
+    """plot's --out, checked before any work: a .png file name that can be written (its folder is made, a
+    file there replaced)."""
+    if os.path.exists(path):
+        pl.writable(path, "--out", force=True)
+    if not path.lower().endswith(".png"):
+        raise pl.UserError(f"--out {path!r}: give a file name ending in .png")
+    pl.writable(os.path.dirname(path) or ".", "--out", folder=True)
+    return path
 
 
 def plot(run_dirs, out_png):
@@ -125,10 +141,10 @@ def load_hellaswag(path, limit=None):
     for n, ex in pl.read_jsonl(path, "data file"):
         try:
             ctx, endings, label = ex["ctx"], ex["endings"], int(ex["label"])
-            assert isinstance(ctx, str) and len(endings) >= 2 and all(isinstance(e, str) for e in endings)
+            assert isinstance(ctx, str) and len(endings) >= 2 and all(isinstance(e, str) and e for e in endings)
             assert 0 <= label < len(endings)
         except (ValueError, KeyError, TypeError, AssertionError):
-            raise pl.UserError(f"{path} line {n} is not a HellaSwag item (ctx, endings, label)") from None
+            raise pl.UserError(f"{path} line {n} is not a HellaSwag item (ctx, endings: non-empty strings, label)") from None
         items.append(dict(ctx=ctx, endings=list(endings), label=label))
         if limit and len(items) >= limit:
             break
@@ -184,8 +200,8 @@ def record_eval(ckpt, result):
     try:
         with open(os.path.join(folder, EVALS), "a") as f:
             f.write(json.dumps(rec) + "\n")
-    except OSError:
-        pass                                            # a read-only checkpoint folder: the scores were printed
+    except OSError as e:                                # a read-only checkpoint folder: the scores are printed
+        print(f"note: not recorded in {os.path.join(folder, EVALS)} ({e.strerror})", file=sys.stderr)
 
 
 def read_evals(folder):

@@ -1375,10 +1375,7 @@ def cmd_plot(argv):
     p = pl.Parser(prog=f"{PROG} plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
-    pl.writable(os.path.dirname(a.out) or ".", "--out", folder=True)    # plot makes the folder; a file there
-    if os.path.exists(a.out):                                          # is replaced, a folder is not
-        pl.writable(a.out, "--out", force=True)
-    print(f"wrote {evaluate.plot(a.runs, a.out)}")
+    print(f"wrote {evaluate.plot(a.runs, evaluate.plot_out(a.out))}")
 
 
 def cmd_sample(argv):
@@ -1475,13 +1472,14 @@ def cmd_bench(argv):
     p = pl.Parser(prog=f"{PROG} bench", description="training and sampling speed")
     pl.add_config_arg(p, "small")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default 256, or the context if shorter)")
     p.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
     p.add_argument("--ckpt", help="time generation with this checkpoint, so the MTP heads' drafts mean something "
                                   "(default: the random weights of the timed config)")
     a = p.parse_args(argv)
     name = pl.config_arg(a) or "small"
     cfg = pl.get_config(name)
+    a.seq = min(256, cfg.ctx) if a.seq is None else a.seq
     pl.check_positive(a, "batch", "seq", "steps")
     B, T = a.batch, a.seq
     if T > cfg.ctx:

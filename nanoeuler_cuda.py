@@ -5591,10 +5591,7 @@ def cmd_plot(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py plot", description=evaluate.PLOT_HELP)
     evaluate.add_plot_flags(p)
     a = p.parse_args(argv)
-    pl.writable(os.path.dirname(a.out) or ".", "--out", folder=True)    # plot makes the folder; a file there
-    if os.path.exists(a.out):                                          # is replaced, a folder is not
-        pl.writable(a.out, "--out", force=True)
-    print(f"wrote {evaluate.plot(a.runs, a.out)}")
+    print(f"wrote {evaluate.plot(a.runs, evaluate.plot_out(a.out))}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -6364,7 +6361,7 @@ def print_table(rows, head=("check", "max rel err", "tol", "")):
 
 def cmd_selftest(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py selftest", description="every kernel against a float64 reference")
-    p.add_argument("--seed", type=int, default=None, help="input seed (default: a fresh one, printed)")
+    p.add_argument("--seed", type=pl.seed_arg, default=None, help="input seed (default: a fresh one, printed)")
     a = p.parse_args(argv)
     path, comp = compile_check()
     if path is None:
@@ -6422,7 +6419,7 @@ def gradcheck_params(cfg, rng, scale=0.1, bf16=False):
 def cmd_gradcheck(argv):
     p = pl.Parser(prog="nanoeuler_cuda.py gradcheck",
                   description="whole-model gradients on the GPU against nanoeuler.py in float64")
-    p.add_argument("--seed", type=int, default=0, help="weights and batch (default 0)")
+    p.add_argument("--seed", type=pl.seed_arg, default=0, help="weights and batch (default 0)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (TF32 off; the reference, tolerance 1e-5) or bf16 (mixed precision, 2e-2); default fp32")
     p.add_argument("--dpo", action="store_true", help="the DPO loss's gradient instead (tiny and small configs)")

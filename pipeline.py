@@ -281,9 +281,13 @@ def lr_at(step, schedule_steps, peak_lr, warmup):
 # data: uint16 token files read through a memmap, a train/validation split, the embedded default corpus
 
 def existing_file(path, what):
-    """path, if it names a file; a clear UserError for a folder or nothing."""
+    """path, if it names a file; a clear UserError for a folder, a device or nothing."""
+    if not path:
+        raise UserError(f"{what}: the path is empty; give a file")
     if os.path.isdir(path):
         raise UserError(f"{what} {path} is a folder; give the file itself")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UserError(f"{what} {path} is not a regular file (a device or a pipe?); give a file")
     if not os.path.isfile(path):
         raise UserError(f"{what} not found: {path}")
     return path
@@ -295,6 +299,8 @@ def writable(path, what, folder=False, force=False):
     Checked before any slow work by a probe that leaves nothing behind (a temporary folder made and removed
     in the nearest existing folder), so /proc, a read-only disk or a missing permission are found too.
     Makes nothing; a clear one-line UserError otherwise."""
+    if not path:
+        raise UserError(f"{what}: the path is empty; give a {'folder' if folder else 'file name'}")
     full = os.path.abspath(path)
     if folder and os.path.exists(full) and not os.path.isdir(full):
         raise UserError(f"{what} {path} is a file; give a folder (a new one, or one of yours to write into)")
@@ -303,8 +309,11 @@ def writable(path, what, folder=False, force=False):
             raise UserError(f"{what} {path} is a folder; give a file name")
         if os.path.exists(full) and not force:
             raise UserError(f"{what} {path} exists; give --force to replace it")
+        parent = os.path.dirname(path) or "."
+        if os.path.exists(os.path.dirname(full)) and not os.path.isdir(os.path.dirname(full)):
+            raise UserError(f"{what} {path}: {parent} is a file, not a folder; give another path")
         if not os.path.isdir(os.path.dirname(full)):
-            raise UserError(f"{what} {path}: the folder {os.path.dirname(path) or '.'} does not exist; make it first")
+            raise UserError(f"{what} {path}: the folder {parent} does not exist; make it first")
     probe = full if folder else os.path.dirname(full)
     while not os.path.exists(probe):                # the nearest existing part of the path
         probe = os.path.dirname(probe)
@@ -316,6 +325,16 @@ def writable(path, what, folder=False, force=False):
     except OSError as e:
         raise UserError(f"{what} {path} cannot be written ({e.strerror} in {probe}); give another path") from None
     return path
+
+
+def writable_run(out):
+    """--out of a training run (train, sft, dpo): writable, and no folder where the run writes a file."""
+    writable(out, "--out", folder=True)
+    for name in ("ckpt.npz", LOG, EVALS, "report.md", "loss.png"):
+        if os.path.isdir(os.path.join(out, name)):
+            raise UserError(f"--out {out} holds a folder {name}, where the run writes its {name}; move it or give "
+                            "another --out")
+    return out
 
 
 def read_jsonl(path, what):
@@ -334,14 +353,16 @@ def read_jsonl(path, what):
                 raise UserError(f"{path} line {n} is not JSON ({e})") from None
 
 
-def read_text(path):
-    """A corpus file as str; missing, empty or non-text files raise UserError."""
+def read_text(path, tokens_too=False):
+    """A corpus file as str; missing, empty or non-text files raise UserError (tokens_too: whose advice
+    names the token files a training run takes too)."""
     with open(existing_file(path, "data file"), "rb") as f:
         raw = f.read()
     if not raw.strip():
         raise UserError(f"data file is empty: {path}")
     if b"\x00" in raw[:1 << 20]:
-        raise UserError(f"data file is not text (NUL bytes): {path}; give UTF-8 text or a uint16 .bin token file")
+        raise UserError(f"data file is not text (NUL bytes): {path}; give UTF-8 text"
+                        + (" or a uint16 token file named .bin" if tokens_too else ""))
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -391,7 +412,7 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
     needs its tokenizer beside it (NAME.bpe or tokenizer.bpe); a text file (or the embedded default, for
     None) is tokenised once and cached under cache_dir (default CACHE)."""
     cache_dir = cache_dir or CACHE
-    if data_path and data_path.endswith(".bin"):
+    if data_path is not None and data_path.endswith(".bin"):
         existing_file(data_path, "token file")
         tok_path = next((p for p in (data_path[:-4] + ".bpe", os.path.join(os.path.dirname(data_path), "tokenizer.bpe"))
                          if os.path.isfile(p)), None)
@@ -403,7 +424,7 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
         print(f"data: {data_path} (tokenizer {tok_path})")
         return load_tokens(data_path, tok.vocab_size), tok
     if data_path is not None:
-        text, what = read_text(data_path), f"data: {data_path}"
+        text, what = read_text(data_path, tokens_too=True), f"data: {data_path}"
     else:
         text, what = default_corpus()
     # keyed by content: two files of one name, size and second (a copy, an edit) are two corpora
@@ -418,7 +439,7 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
     t0 = time.time()
     # the tokenizer learns its merges from the first 20 MB: enough for a 4096 vocabulary, and quick
     tok = bpe.Tokenizer.train(text[:20_000_000], cfg.vocab, verbose=len(text) > 5e6)
-    if data_path:                                    # every core, streamed from the file
+    if data_path is not None:                        # every core, streamed from the file
         n_tokens, n_bytes, _ = bpe.encode_file_parallel(tok, data_path, base + ".bin", verbose=len(text) > 5e6)
     else:
         ids = np.array(tok.encode(text, allowed_special="all"), dtype="<u2")
@@ -896,11 +917,12 @@ class SFTBatches:
     """Batches of B examples padded with <|endoftext|> to the longest, or with fixed=True to exactly (B, T)
     (an engine with preallocated buffers); padding targets are -1. Same interface as Batches."""
 
-    def __init__(self, tok, examples, B, T, seed=0, fixed=False):
+    def __init__(self, tok, examples, B, T, seed=0, fixed=False, ctx=None):
         encoded = [sft_example(tok, ex, T) for ex in examples]
         self.examples = [e for e in encoded if e is not None]
-        if not self.examples:
-            raise UserError(f"no SFT example fits the context of {T} tokens; raise --seq or shorten the prompts")
+        if not self.examples:                        # ctx: the model's, when it is what limits T
+            raise UserError(f"no SFT example fits the context of {T} tokens; " + (
+                "raise --seq or shorten the prompts" if T != ctx else "shorten the prompts (the model's context)"))
         self.B, self.T, self.fixed, self.eot = B, T, fixed, tok.eot
         self.rng = np.random.default_rng(seed)
 
@@ -927,7 +949,7 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
     """Fine-tunes the base model P on instructions, for either engine: make_trainer() -> a train_loop
     trainer over P, batch_loss(x, y) -> head-0 CE. 1/20 of the examples validate (loss before and after).
     The last step's checkpoint is kept; the final line says which evaluation was best."""
-    writable(a.out, "--out", folder=True)
+    writable_run(a.out)
     check_positive(a, "steps", "batch", "seq")
     if not 0 < a.lr < math.inf:
         raise UserError(f"--lr {a.lr}: give a positive, finite learning rate")
@@ -938,8 +960,8 @@ def run_sft(a, P, tok, make_trainer, batch_loss, fixed_shape=False):
     order = np.random.default_rng(a.seed).permutation(len(examples))
     n_val = max(1, len(examples) // 20)
     T = min(a.seq, P.cfg.ctx)
-    batches = SFTBatches(tok, [examples[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape)
-    val = SFTBatches(tok, [examples[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape)
+    batches = SFTBatches(tok, [examples[i] for i in order[n_val:]], a.batch, T, a.seed, fixed_shape, P.cfg.ctx)
+    val = SFTBatches(tok, [examples[i] for i in order[:n_val]], a.batch, T, fixed=fixed_shape, ctx=P.cfg.ctx)
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     if os.path.exists(ckpt_path) and not a.force:
         raise UserError(f"{ckpt_path} exists: use another --out or --force")
@@ -1097,7 +1119,7 @@ def run_dpo(a, P, tok, extra, make_trainer, seq_logps, fixed_shape=False):
     """DPO from the chat checkpoint P, for either engine: make_trainer() -> a train_loop trainer over P whose
     step takes (x, (y, ref), lr); seq_logps(x, y) -> (rows,) summed head-0 log-probs. The reference log-probs
     come from P before the first step; 1 pair in 10 is held out and evaluated."""
-    writable(a.out, "--out", folder=True)
+    writable_run(a.out)
     check_positive(a, "steps", "batch")
     if not (0 < a.lr < math.inf and 0 < a.beta < math.inf):
         raise UserError(f"--lr {a.lr} and --beta {a.beta}: give positive, finite numbers")
@@ -1478,7 +1500,7 @@ def start_run(a, defaults, resume):
     defaults['config'], the contract's init. Resumed: the checkpoint in a.out with its optimiser state and
     its own arguments (flags given now override them; --stop-after applies to this run only; the
     learning-rate schedule keeps the run's first length). -> (P, tok, tokens, args, state, extra)."""
-    writable(a.out, "--out", folder=True)
+    writable_run(a.out)
     ckpt_path = os.path.join(a.out, "ckpt.npz")
     given = {k: v for k, v in vars(a).items() if k in defaults and v is not None}
     if resume:
@@ -1513,7 +1535,8 @@ def start_run(a, defaults, resume):
             raise UserError(f"{ckpt_path} exists: resume it, start over with --force, or pick another --out")
         args, state, extra = {**defaults, **given}, None, {"kind": "base"}
         args["schedule_steps"] = args["steps"]
-    check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every", "grad_accum")
+    check_positive(args, "steps", "batch", "seq", "eval_every", "ckpt_every", "log_every", "grad_accum",
+                   *(["stop_after"] if "stop_after" in given else []))
     for name in ("lr", "muon_lr"):
         if not 0 < args[name] < math.inf:
             raise UserError(f"--{name.replace('_', '-')} {args[name]}: give a positive, finite learning rate")
@@ -1522,6 +1545,8 @@ def start_run(a, defaults, resume):
     if not 0 <= args["ckpt_minutes"] < math.inf:
         raise UserError(f"--ckpt-minutes {args['ckpt_minutes']}: give minutes between checkpoints (0: by steps only)")
     cfg = P.cfg if resume else get_config(args["config"])
+    if "seq" not in given and not resume:            # the default, where the config's context is shorter
+        args["seq"] = min(args["seq"], cfg.ctx)
     if args["seq"] > cfg.ctx:
         raise UserError(f"--seq {args['seq']} is longer than the context of {cfg.ctx} of config {args['config']}")
     if args["data"] and os.path.isdir(args["data"]):
@@ -1626,6 +1651,17 @@ def prompt_arg(a):
     return next((t for t in (a.prompt, a.prompt_flag) if t is not None), "\n")
 
 
+def seed_arg(v):
+    """--seed: a whole number numpy's generators take."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"{v!r}: give a whole number from 0 to 2**63 - 1")
+    return n
+
+
 def batch_or_auto(v):
     """--batch's value where the engine sizes the batch itself: a whole number or 'auto'."""
     return v if v == "auto" else int(v)
@@ -1655,7 +1691,8 @@ def add_train_flags(p, out, defaults, lr_note="", auto_batch=None):
         helps["batch"] += f"; {auto_batch}"
     for name, text in helps.items():
         auto = auto_batch and name == "batch"
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=batch_or_auto if auto else type(d[name]),
+        kind = batch_or_auto if auto else seed_arg if name == "seed" else type(d[name])
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
                        metavar="X" if name == "lr" else "N|auto" if auto else "N",
                        help=f"{text} (default {d[name]}{lr_note if name == 'lr' else ''})")
     p.add_argument("--optim", choices=OPTIMS, help="adamw: AdamW on every tensor; muon: Muon on the blocks' matrices "
@@ -1691,7 +1728,7 @@ def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, spe
     p.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 is greedy (default {temperature})")
     p.add_argument("--top-k", dest="top_k", type=int, default=40, help="sample from the k likeliest (0: all; default 40)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=seed_arg, default=0,
                    help=seed_help or "random seed: the same seed gives the same text (default 0)")
     p.add_argument("--top-p", dest="top_p", type=float, default=1.0,
                    help="then from the smallest set of ids whose probability reaches p (default 1: no cut)")
@@ -1713,7 +1750,7 @@ def add_finetune_flags(p, ckpt_help, ckpt, out, steps, batch, lr, seed_help, dat
     p.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
     p.add_argument("--batch", type=int, default=batch[0], help=f"{batch[1]} (default {batch[0]})")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-    p.add_argument("--seed", type=int, default=0, help=f"{seed_help} (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, help=f"{seed_help} (default 0)")
     p.add_argument("--out", default=out, help=f"folder of the chat checkpoint (default {out})")
     p.add_argument("--force", action="store_true", help="overwrite the checkpoint in --out")
 

@@ -7,6 +7,7 @@ problem (the words each test asserts); only main() ends the process; every flag 
 every config name works in every mode of both engines. No GPU needed. The modes with files of their own
 (dpo, serve, eval, export, the launcher, bpe.py's commands) check their own mistakes there.
 """
+import json
 import os
 import re
 import signal
@@ -436,7 +437,11 @@ def _cli_cases(d):
              "sft/one.json": b'[{"instruction": "Say hi.", "input": "", "output": "hi"}]',
              "sft/good.json": b'[{"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say no.", "output": "no"}]',
              "done/ckpt.npz": b"x", "sftdone/ckpt.npz": b"x",
-             "logged/train_log.jsonl": b'{"step": 1, "loss": 5.0, "tokens": 64, "wall": 0.5}\n'}
+             "logged/train_log.jsonl": b'{"step": 1, "loss": 5.0, "tokens": 64, "wall": 0.5}\n',
+             "badlog/train_log.jsonl": b'{"step": 1, "loss": "x"}\n', "c.txt": b"the cat sat on the mat. " * 40,
+             "sft/long.json": json.dumps([{"instruction": "Say hi. " * 30, "output": "hi"}] * 2).encode(),
+             "hs/empty_ending.jsonl": json.dumps({"ctx": "A cat", "endings": ["sat.", "", "ran.", "hid."],
+                                                  "label": 0}).encode()}
     for name, data in files.items():
         os.makedirs(os.path.dirname(os.path.join(d, name)), exist_ok=True)
         with open(os.path.join(d, name), "wb") as f:
@@ -446,7 +451,9 @@ def _cli_cases(d):
     big.save(os.path.join(d, "big", "tokenizer.bpe"))
     os.makedirs(os.path.join(d, "sft", "folder.json"))
     os.makedirs(os.path.join(d, "dir.npz"))
+    os.makedirs(os.path.join(d, "logdir", pl.LOG))
     base = _save(os.path.join(d, "base", "ckpt.npz"), pl.Config(**{**pl.asdict(TINY), "ctx": 256}))  # a prompt fits
+    short = _save(os.path.join(d, "short", "ckpt.npz"))                                    # tiny's 64 tokens
     lacking = _save(os.path.join(d, "lacking.npz"), edit=lambda a: a.pop("layers.1.wq"))
     nan = _save(os.path.join(d, "nan.npz"), edit=lambda a: a["layers.2.w2"].__setitem__((3, 4), np.nan))
     bigtok = _save(os.path.join(d, "bigtok.npz"), tok=big)
@@ -473,6 +480,15 @@ def _cli_cases(d):
         ("train --steps 0", ["train", "tiny", "--steps", 0, "--out", j("o1")], ["--steps 0", "at least 1"]),
         ("train --warmup -1", ["train", "tiny", "--warmup", -1, "--out", j("o3")], ["--warmup at least 0"]),
         ("train --seq > ctx", ["train", "tiny", "--seq", 65, "--out", j("o4")], ["--seq 65", "context of 64"]),
+        ("train --seed -1", ["train", "tiny", "--seed", -1, "--out", j("o6")], ["--seed", "'-1'", "from 0 to"]),
+        ("train --stop-after 0", ["train", "tiny", "--stop-after", 0, "--out", j("o7")], ["--stop-after 0", "at least 1"]),
+        ("train --out ''", ["train", "tiny", "--out", ""], ["--out", "the path is empty"]),
+        ("train --data ''", ["train", "tiny", "--data", "", "--out", j("o8")], ["data file", "the path is empty"]),
+        ("train --data a device", ["train", "tiny", "--data", "/dev/null", "--out", j("o9")],
+         ["/dev/null", "not a regular file"]),
+        ("a folder where the log goes", ["train", "tiny", "--out", j("logdir"), "--steps", 1],
+         ["holds a folder train_log.jsonl", "another --out"]),
+        ("sample --seed -1", ["sample", "--ckpt", base, "--seed", -1], ["--seed", "from 0 to"]),
         ("two configs", ["train", "tiny", "--config", "small", "--out", j("o5")], ["two configs", "tiny", "small"]),
         ("bench --seq > ctx", ["bench", "tiny", "--seq", 65], ["--seq 65", "context of 64"]),
         ("resume nothing", ["resume", "--out", j("nothing")], ["checkpoint not found"]),
@@ -492,7 +508,9 @@ def _cli_cases(d):
         *[(f"sft {n}", sft(n + ".json"), ["must be a non-empty JSON list"])
           for n in ("dict", "empty", "no_output", "number")],
         ("sft one example", sft("one.json"), ["holds 1 example", "at least 2"]),
-        ("sft nothing fits", sft("good.json", "--seq", 8), ["no SFT example fits the context of 8"]),
+        ("sft nothing fits", sft("good.json", "--seq", 8), ["no SFT example fits the context of 8", "raise --seq"]),
+        ("sft nothing fits the model", ["sft", "--ckpt", short, "--data", j("sft", "long.json"), "--out", j("chat2"),
+                                        "--seq", 1000], ["fits the context of 64", "the model's context"]),
         ("sft --lr 0", sft("good.json", "--lr", 0), ["--lr 0"]),
         ("sft --steps 0", sft("good.json", "--steps", 0), ["--steps 0"]),
         ("sft over a checkpoint", ["sft", "--ckpt", base, "--data", j("sft", "good.json"), "--out", j("sftdone"),
@@ -513,6 +531,17 @@ def _cli_cases(d):
         ("serve --log a folder", ["serve", "--ckpt", base, "--log", j("sft")], ["--log", "is a folder"]),
         ("bpe.py train -o a folder", ["bpe.py", "train", j("a.txt"), "--vocab", 300, "-o", j("sft")],
          ["-o", "is a folder"]),
+        ("bpe.py encode -o its input", ["bpe.py", "encode", j("data.bpe"), j("c.txt"), "-o", j("c.txt")],
+         ["-o", "c.txt is the input"]),
+        ("bpe.py train -o its input", ["bpe.py", "train", j("c.txt"), "--vocab", 300, "-o", j("c.txt")],
+         ["-o", "c.txt is the input"]),
+        ("export gguf under a file", ["export", "--ckpt", base, "--format", "gguf", "--out", j("a.txt", "m.gguf")],
+         ["a.txt is a file, not a folder"]),
+        ("eval an empty ending", ["eval", "--ckpt", base, "--data", j("hs", "empty_ending.jsonl")],
+         ["line 1 is not a HellaSwag item", "non-empty"]),
+        ("plot --out not a .png", ["plot", j("logged"), "--out", j("x.txt")], ["--out", "ending in .png"]),
+        ("plot --out ''", ["plot", j("logged"), "--out", ""], ["--out ''", "ending in .png"]),
+        ("plot a damaged log", ["plot", j("badlog"), "--out", j("b.png")], ["step 1 has loss 'x', not a number"]),
         ("bpe.py encode -o no folder", ["bpe.py", "encode", j("data.bpe"), j("a.txt"), "-o", j("none", "x.bin")],
          ["-o", "x.bin", "does not exist"]),
         ("plot --out a folder", ["plot", j("logged"), "--out", j("sft")], ["--out", "is a folder"]),

@@ -494,6 +494,15 @@ def test_non_finite_flags_are_refused_in_one_line(one_step_ckpt, tmp_path, corpu
         assert_one_line_error(cli_here("sample", "--ckpt", one_step_ckpt, flag, "inf"), f"{flag} inf")
 
 
+def test_the_default_seq_fits_a_shorter_context(tmp_path, corpus):
+    """train tiny without --seq: the default 256 is cut to tiny's context of 64, not refused as if given."""
+    path, env = corpus
+    r = cli_here("train", "tiny", "--data", path, "--out", tmp_path, "--steps", 1, "--batch", 2, "--sample-every", 0,
+                 env_extra=env, plots=False)
+    assert r.returncode == 0, r.stderr
+    assert pl.load_checkpoint(str(tmp_path), want_state=True)[2]["train"]["seq"] == 64
+
+
 def test_nan_loss_names_only_a_checkpoint_that_exists(tmp_path):
     """Issue 31 items 2 and 9: a NaN before the first checkpoint says none was written; a run checkpoints by
     time too (--ckpt-minutes, 10 by default), and a NaN then names the checkpoint of that step, which exists."""
