@@ -244,6 +244,16 @@ MUTANTS = [
     # issue 31's, from H-train31 (1d06231)
     ("resume keeps the dead steps in the log", "pipeline.py", [('ok = 0 < step and rec["step"] <= step', "ok = True", 1)],
      ("test_cpu_engine.py::test_a_run_logs_each_step_once_and_one_run_only",)),
+    # the careless-user audit of 2026-12-03
+    ("NaN weights replace the last checkpoint", "pipeline.py",
+     [("if not all(np.isfinite(t.flat).all() for t in state):", "if False:", 1)],
+     ("test_cpu_engine.py::test_weights_gone_nan_never_replace_the_last_checkpoint",)),
+    ("a forced run drops the old run's log at its start", "pipeline.py",
+     [("if start == 0 and os.path.exists(ckpt_path):", "if False:", 1)],
+     ("test_cpu_engine.py::test_a_forced_run_keeps_the_old_runs_log_until_its_first_checkpoint",)),
+    ("the token cache keyed by length", "pipeline.py",
+     [("hashlib.sha256(text.encode()).hexdigest()[:16]", "len(text)", 1)],
+     ("test_cpu_engine.py::test_two_corpora_of_one_name_size_and_time_are_cached_apart",)),
     ("resume accepts another batch", "pipeline.py",
      [("for k in shape if args[k] != run.get(k, defaults[k])]", "for k in shape if False]", 1)],
      ("test_cpu_engine.py::test_resume_refuses_another_batch_seq_or_grad_accum",)),
