@@ -133,9 +133,9 @@ def tokenizer_from_json(tj, n_ids):
         raise UserError(f"tokenizer: {e}") from None
     if tok.eot is None:
         raise UserError(f"the tokenizer has no {pl.EOT} token, which closes every document and chat turn here")
-    if len(set(order)) != len(order) or max(order) >= n_ids:
+    if len(set(order)) != len(order) or not all(type(i) is int and 0 <= i < n_ids for i in order):
         raise UserError(f"the tokenizer's ids do not fit the model's vocabulary of {n_ids} "
-                        "(an id used twice, or one past the embedding)")
+                        "(an id used twice, or one that is not a row of the embedding)")
     return tok, order
 
 
@@ -263,67 +263,123 @@ def export_gguf(P, tok, out, dtype):
 # ----------------------------------------------------------------------------------------------------
 # import: a Llama-architecture HF folder with a GPT-2 byte-level BPE tokenizer -> a NanoEuler checkpoint
 
+ST_DTYPES = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}     # bf16: read as its bits
+
+
 def read_safetensors(path):
     """{name: float32 array} of a .safetensors file (8-byte header size, JSON header, raw data), read here
-    because the safetensors package's numpy side has no bfloat16, the dtype most HF models ship in."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    data = np.memmap(path, np.uint8, "r", offset=8 + n)
+    because the safetensors package's numpy side has no bfloat16, the dtype most HF models ship in. A cut or
+    foreign file raises UserError: every size and offset is checked against the file before it is used."""
+    def damaged(why):
+        return UserError(f"{path} is damaged or not a safetensors file ({why}); copy or export it again")
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            text = f.read(n) if 8 + n <= size else None
+    except OSError as e:
+        raise UserError(f"{path} cannot be read ({e.strerror})") from None
+    if text is None:
+        raise damaged(f"its header claims {n} bytes, the file has {size}")
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise damaged(f"header: {e}") from None
+    if not isinstance(header, dict):
+        raise damaged("its header is not a JSON object")
+    data = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        raw = data[t["data_offsets"][0]:t["data_offsets"][1]]
-        if t["dtype"] == "BF16":                                 # the top half of a float32
-            a = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        elif t["dtype"] in ("F32", "F16", "F64"):
-            a = raw.view({"F32": "<f4", "F16": "<f2", "F64": "<f8"}[t["dtype"]]).astype(np.float32)
-        else:
-            raise UserError(f"{path}: tensor {name} is {t['dtype']}; give float32, float16 or bfloat16 weights")
-        out[name] = a.reshape(t["shape"])
+        try:
+            kind, shape, (lo, hi) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
+            ok = isinstance(kind, str) and all(type(v) is int and v >= 0 for v in (*shape, lo, hi)) and lo <= hi
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise damaged(f"tensor {name} has no valid dtype, shape and data_offsets")
+        if kind not in ST_DTYPES:
+            raise UserError(f"{path}: tensor {name} is {kind}; give float32, float16 or bfloat16 weights")
+        if hi > len(data):
+            raise damaged(f"tensor {name} ends at byte {hi} of {len(data)}: the file is cut short")
+        if hi - lo != math.prod(shape) * np.dtype(ST_DTYPES[kind]).itemsize:
+            raise damaged(f"tensor {name} has {hi - lo} bytes for shape {list(shape)} in {kind}")
+        a = data[lo:hi].view(ST_DTYPES[kind])
+        a = (a.astype(np.uint32) << 16).view(np.float32) if kind == "BF16" else a.astype(np.float32)
+        out[name] = a.reshape(shape)
     return out
 
 
 def _read_json(folder, name):
+    """A JSON object (config.json and tokenizer.json both are one); anything else raises UserError."""
+    path = os.path.join(folder, name)
     try:
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
     except FileNotFoundError:
         raise UserError(f"{folder} has no {name}; give a Hugging Face model folder") from None
+    except OSError as e:                                      # a folder of that name, no permission
+        raise UserError(f"{path} cannot be read ({e.strerror})") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{folder}/{name} is not valid JSON ({e})") from None
+        raise UserError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} holds a JSON {type(obj).__name__}, not an object; give the model's own {name}")
+    return obj
+
+
+def _whole(c, key, where, default=None):
+    """c[key] as a positive whole number: every size of the model is one (a bool is not, though Python's
+    bool is an int), and a size of 0 or less would only fail later, in sample or train."""
+    v = default if c.get(key) is None else c[key]
+    if v is None:
+        raise UserError(f"{where}/config.json lacks {key}")
+    if type(v) is not int or v < 1:
+        raise UserError(f"{where}/config.json: {key} is {json.dumps(v)}; give a positive whole number")
+    return v
 
 
 def _config_from_hf(c, where):
     """The NanoEuler Config of a HF config.json; anything the contract's model cannot compute raises."""
     arch = c.get("architectures") or [c.get("model_type")]
+    arch = arch if isinstance(arch, list) else [arch]
     if c.get("model_type") != "llama" or "LlamaForCausalLM" not in arch:
         raise UserError(f"{where} is a {arch[0]} model; import reads LlamaForCausalLM folders only")
     if c.get("tie_word_embeddings", False):
         raise UserError(f"{where} ties lm_head to the embedding; NanoEuler's head 0 is a matrix of its own "
                         "(untie it: set lm_head to a copy of embed_tokens, then tie_word_embeddings false)")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}          # transformers 5 | 4
+    rope = rope if isinstance(rope, dict) else {"rope_type": rope}
     theta, scaling = c.get("rope_theta", rope.get("rope_theta", pl.ROPE_THETA)), rope.get("rope_type", rope.get("type"))
-    D, Hq = c["hidden_size"], c["num_attention_heads"]
-    Hkv = c.get("num_key_value_heads") or Hq
+    # every size checked before any arithmetic on it; null means "the default", as transformers reads it
+    D, Hq, L, ctx, V, F = (_whole(c, k, where) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
+                                                         "max_position_embeddings", "vocab_size", "intermediate_size"))
+    Hkv, hd = _whole(c, "num_key_value_heads", where, Hq), _whole(c, "head_dim", where, max(D // Hq, 1))
+    eps = c.get("rms_norm_eps", 1e-6)
+    eps_bad = type(eps) not in (int, float) or not math.isclose(eps, pl.RMS_EPS)
     wrong = [what for what, bad in (
         (f"hidden_act {c.get('hidden_act')} (silu)", c.get("hidden_act", "silu") != "silu"),
-        (f"rms_norm_eps {c.get('rms_norm_eps')} ({pl.RMS_EPS:g})", not math.isclose(c.get("rms_norm_eps", 1e-6), pl.RMS_EPS)),
+        (f"rms_norm_eps {json.dumps(eps)} ({pl.RMS_EPS:g})", eps_bad),
         (f"rope_theta {theta} ({pl.ROPE_THETA:g})", theta != pl.ROPE_THETA),
         (f"rope scaling {scaling} (none)", scaling not in (None, "default")),
-        (f"head_dim {c.get('head_dim')} ({D // Hq})", c.get("head_dim", D // Hq) != D // Hq or D % Hq),
+        (f"head_dim {hd} (hidden_size {D} / {Hq} heads, whole)", hd * Hq != D),
+        (f"head_dim {hd} (even: RoPE turns pairs of its halves)", hd % 2),
         ("attention or MLP bias", c.get("attention_bias") or c.get("mlp_bias")),
-        (f"{Hq} query heads over {Hkv} key/value heads", Hq % Hkv))
+        (f"{Hq} query heads over {Hkv} key/value heads (num_key_value_heads dividing num_attention_heads)", Hq % Hkv))
         if bad]
     if wrong:
         raise UserError(f"{where}: {'; '.join(wrong)} -- CONTRACT.md's model computes only the values in brackets")
-    if c["vocab_size"] > 1 << 16:
-        raise UserError(f"{where}: vocab of {c['vocab_size']} ids; token files are uint16, so at most 65536")
-    extra = c.get("nanoeuler") or {}
-    return Config(dim=D, n_heads=Hq, n_kv_heads=Hkv, n_layers=c["num_hidden_layers"], ctx=c["max_position_embeddings"],
-                  vocab=c["vocab_size"], ffn=c["intermediate_size"], n_mtp=1,
-                  mtp_weight=extra.get("mtp_weight", 0.3)), extra.get("kind", "base")
+    if V > 1 << 16:
+        raise UserError(f"{where}: vocab of {V} ids; token files are uint16, so at most 65536")
+    extra = c.get("nanoeuler") or {}                              # export's own block, absent elsewhere
+    if not isinstance(extra, dict):
+        raise UserError(f"{where}/config.json: nanoeuler is not an object; drop it or give the block export writes")
+    w, kind = extra.get("mtp_weight", 0.3), extra.get("kind", "base")
+    if type(w) not in (int, float) or not 0 <= w < math.inf:
+        raise UserError(f"{where}/config.json: nanoeuler.mtp_weight is {json.dumps(w)}; give a number of at least 0")
+    if kind not in ("base", "chat"):
+        raise UserError(f"{where}/config.json: nanoeuler.kind is {json.dumps(kind)}; give base or chat")
+    return Config(dim=D, n_heads=Hq, n_kv_heads=Hkv, n_layers=L, ctx=ctx, vocab=V, ffn=F, n_mtp=1, mtp_weight=w), kind
 
 
 def import_hf(folder, mtp="keep", seed=0):
@@ -332,7 +388,11 @@ def import_hf(folder, mtp="keep", seed=0):
     if not os.path.isdir(folder):
         raise UserError(f"Hugging Face folder not found: {folder}")
     cfg, kind = _config_from_hf(_read_json(folder, "config.json"), folder)
-    tok, order = tokenizer_from_json(_read_json(folder, "tokenizer.json"), cfg.vocab)
+    try:                                     # tokenizer_from_json trusts the format's layout; a damaged one fails in it
+        tok, order = tokenizer_from_json(_read_json(folder, "tokenizer.json"), cfg.vocab)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{folder}/tokenizer.json is damaged or not HF tokenizers' format "
+                        f"({type(e).__name__}: {e})") from None
     order += sorted(set(range(cfg.vocab)) - set(order))             # the model's spare rows keep their order
     files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors") and n != MTP_FILE)
     if not files:
@@ -343,12 +403,15 @@ def import_hf(folder, mtp="keep", seed=0):
         heads = read_safetensors(os.path.join(folder, MTP_FILE))        # "heads.1", ...: no HF name clashes
         W.update(heads)
     cfg = dataclasses.replace(cfg, n_mtp={"keep": 1 + len(heads), "none": 1, "init": 3}[mtp])
-    P = Params.init(cfg, seed)                                       # fresh MTP heads for init; the rest is set below
-    for ours, hf, _ in names(cfg) + [(f"heads.{k}", f"heads.{k}", None) for k in range(1, 1 + len(heads))]:
+    pairs = names(cfg) + [(f"heads.{k}", f"heads.{k}", None) for k in range(1, 1 + len(heads))]
+    shapes = dict(pl.param_shapes(cfg))
+    for ours, hf, _ in pairs:            # before Params.init: the config's sizes are trusted once the weights agree
         if hf not in W:
             raise UserError(f"{folder} lacks tensor {hf}")
-        if W[hf].shape != P[ours].shape:
-            raise UserError(f"{folder}: {hf} has shape {W[hf].shape}, its config says {P[ours].shape}")
+        if W[hf].shape != shapes[ours]:
+            raise UserError(f"{folder}: {hf} has shape {W[hf].shape}, its config says {shapes[ours]}")
+    P = Params.init(cfg, seed)                                       # fresh MTP heads for init; the rest is set below
+    for ours, hf, _ in pairs:
         P[ours][:] = W[hf][order] if ours == "tok_emb" or ours.startswith("heads.") else W[hf]   # rows in bpe.py's ids
     if not np.isfinite(P.flat).all():
         raise UserError(f"{folder} holds NaN or infinite weights")

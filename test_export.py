@@ -7,6 +7,7 @@ torch are test-only (make setup-test).
 Sections: fixtures | Hugging Face export | GGUF export | import | bad input
 """
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -388,3 +389,52 @@ def test_bad_input_gets_one_line(small, hf_dir, tmp_path, capsys):
     _one_error(capsys, ["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.npz")], "not found")
     _one_error(capsys, ["import", "--hf", str(hf_dir), "--out", str(small[1])], "exists", "--force")
     _one_error(capsys, ["export", "--ckpt", str(small[1]), "--out", str(hf_dir)], "exists", "--force")
+
+
+def _edit(name, change):
+    def damage(d):
+        obj = json.loads((d / name).read_text())
+        change(obj)
+        (d / name).write_text(json.dumps(obj))
+    return damage
+
+
+def _folder_in_place(d):
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+
+
+DAMAGED = {   # what is done to a copy of the exported folder -> words of the one error line
+    "cut in the header": (lambda d: os.truncate(d / "model.safetensors", 1000), ("model.safetensors", "header claims")),
+    "cut in the data": (lambda d: os.truncate(d / "model.safetensors", 150_000), ("model.safetensors", "cut short")),
+    "cut mtp file": (lambda d: os.truncate(d / export.MTP_FILE, 1000), (export.MTP_FILE, "cut short")),
+    "not safetensors": (lambda d: (d / "model.safetensors").write_bytes(b"\x04" + bytes(7) + b"PK\x03\x04" * 9),
+                        ("model.safetensors", "damaged", "header")),
+    "no heads": (_edit("config.json", lambda c: c.update(num_attention_heads=0)), ("num_attention_heads is 0",)),
+    "vocab as text": (_edit("config.json", lambda c: c.update(vocab_size="512")), ('vocab_size is "512"',)),
+    "context -1": (_edit("config.json", lambda c: c.update(max_position_embeddings=-1)),
+                   ("max_position_embeddings is -1",)),
+    "layers true": (_edit("config.json", lambda c: c.update(num_hidden_layers=True)), ("num_hidden_layers is true",)),
+    "no width": (_edit("config.json", lambda c: c.pop("hidden_size")), ("lacks hidden_size",)),
+    "kv heads": (_edit("config.json", lambda c: c.update(num_key_value_heads=3)), ("num_key_value_heads",)),
+    "head_dim": (_edit("config.json", lambda c: c.update(head_dim=16)), ("head_dim 16",)),
+    "odd head": (_edit("config.json", lambda c: c.update(hidden_size=120, num_attention_heads=8, head_dim=15)),
+                 ("head_dim 15", "even")),
+    "eps as text": (_edit("config.json", lambda c: c.update(rms_norm_eps="1e-5")), ('rms_norm_eps "1e-5"',)),
+    "mtp_weight": (_edit("config.json", lambda c: c["nanoeuler"].update(mtp_weight="x")), ("nanoeuler.mtp_weight",)),
+    "config list": (lambda d: (d / "config.json").write_text("[1, 2]"), ("config.json", "list")),
+    "config folder": (_folder_in_place, ("config.json", "cannot be read")),
+    "no merges": (_edit("tokenizer.json", lambda t: t["model"].pop("merges")), ("tokenizer.json", "damaged")),
+    "negative id": (_edit("tokenizer.json", lambda t: t["model"]["vocab"].update({export.BYTE_CHARS[0]: -1})),
+                    ("do not fit",)),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_folder_gets_one_line(hf_dir, tmp_path, capsys, case):
+    damage, words = DAMAGED[case]
+    d = tmp_path / "model"
+    shutil.copytree(hf_dir, d)
+    damage(d)
+    _one_error(capsys, ["import", "--hf", str(d), "--out", str(tmp_path / "x.npz")], *words)
+    assert not (tmp_path / "x.npz").exists()
