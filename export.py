@@ -165,15 +165,21 @@ def _write_json(path, obj):
         f.write("\n")
 
 
+def _save_safetensors(tensors, path):
+    _need("safetensors.numpy").save_file(tensors, path, metadata={"format": "pt"})   # transformers asks for "pt"
+    mask = os.umask(0)              # it writes through a temp file of mode 0600: give the mode open() would
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def export_hf(P, tok, extra, out):
-    st = _need("safetensors.numpy")
+    _need("safetensors.numpy")
     cfg, eot = P.cfg, tok.eot
     os.makedirs(out, exist_ok=True)
-    st.save_file({hf: P[ours] for ours, hf, _ in names(cfg)}, os.path.join(out, "model.safetensors"),
-                 metadata={"format": "pt"})                      # transformers asks for the "pt" layout
+    _save_safetensors({hf: P[ours] for ours, hf, _ in names(cfg)}, os.path.join(out, "model.safetensors"))
     heads = {f"heads.{k}": P[f"heads.{k}"] for k in range(1, cfg.n_mtp)}
     if heads:
-        st.save_file(heads, os.path.join(out, MTP_FILE))
+        _save_safetensors(heads, os.path.join(out, MTP_FILE))
     elif os.path.exists(os.path.join(out, MTP_FILE)):          # --force over another model's folder
         os.remove(os.path.join(out, MTP_FILE))
     _write_json(os.path.join(out, "config.json"), {
@@ -430,6 +436,9 @@ def _free(path, force, folder=False):
 
 
 def cmd_export(a):
+    if a.format == "hf" and a.dtype != "f32":          # --dtype picks GGUF's matrix types; hf has no such choice
+        raise UserError(f"--dtype {a.dtype} is for --format gguf; the hf folder holds float32 weights "
+                        "(transformers converts them as it loads: from_pretrained(DIR, dtype=torch.float16))")
     _free(a.out, a.force, folder=a.format == "hf")
     P, tok, _, extra = pl.load_checkpoint(a.ckpt)
     if a.format == "hf":

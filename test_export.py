@@ -130,6 +130,14 @@ def test_hf_greedy_generation_equals_nanoeulers(small, tok, hf_dir, hf_model):
     assert out == ours[:len(out)] and (len(out) == 24 or out[-1] == tok.eot)
 
 
+def test_hf_files_get_the_mode_of_a_normal_write(hf_dir):
+    """safetensors writes through a temp file of mode 0600; the folder's files all follow the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in hf_dir.iterdir()} == \
+        {f.name: 0o666 & ~mask for f in hf_dir.iterdir()}
+
+
 # ----------------------------------------------------------------------------------------------------
 # GGUF export
 
@@ -389,6 +397,10 @@ def test_bad_input_gets_one_line(small, hf_dir, tmp_path, capsys):
     _one_error(capsys, ["import", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.npz")], "not found")
     _one_error(capsys, ["import", "--hf", str(hf_dir), "--out", str(small[1])], "exists", "--force")
     _one_error(capsys, ["export", "--ckpt", str(small[1]), "--out", str(hf_dir)], "exists", "--force")
+    for dtype in ("f16", "q8_0"):                         # GGUF's matrix types: the hf folder is float32
+        _one_error(capsys, ["export", "--ckpt", str(small[1]), "--format", "hf", "--dtype", dtype, "--out",
+                            str(tmp_path / "hf16")], f"--dtype {dtype}", "gguf", "float32")
+    assert not (tmp_path / "hf16").exists()
 
 
 def _edit(name, change):
