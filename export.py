@@ -435,7 +435,17 @@ def _free(path, force, folder=False):
     return path
 
 
-def cmd_export(a):
+def cmd_export(argv, prog):
+    """`prog export` of either engine (numpy alone: the GPU engine's is this one)."""
+    p = pl.Parser(prog=f"{prog} export", description="write a checkpoint as a Hugging Face LlamaForCausalLM folder "
+                  "(hf) or a GGUF file for llama.cpp (gguf); export.py says how")
+    p.add_argument("--ckpt", default=pl.run_ckpt("train"),
+                   help=f"checkpoint file or run folder (default {pl.run_ckpt('train')})")
+    p.add_argument("--format", choices=("hf", "gguf"), default="hf", help="hf: a folder; gguf: one file (default hf)")
+    p.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="gguf matrices (default f32)")
+    p.add_argument("--out", required=True, help="folder (hf) or .gguf file to write (required, no default)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    a = p.parse_args(argv)
     if a.format == "hf" and a.dtype != "f32":          # --dtype picks GGUF's matrix types; hf has no such choice
         raise UserError(f"--dtype {a.dtype} is for --format gguf; the hf folder holds float32 weights "
                         "(transformers converts them as it loads: from_pretrained(DIR, dtype=torch.float16))")
@@ -451,7 +461,17 @@ def cmd_export(a):
         print(f"wrote {a.out}: GGUF llama, {a.dtype}, {os.path.getsize(a.out) / 1e6:.1f} MB{left}")
 
 
-def cmd_import(a):
+def cmd_import(argv, prog):
+    """`prog import` of either engine."""
+    p = pl.Parser(prog=f"{prog} import", description="read a Hugging Face LlamaForCausalLM folder with a byte-level "
+                  "BPE tokenizer into a NanoEuler checkpoint")
+    p.add_argument("--hf", required=True, help="the Hugging Face folder (required, no default)")
+    p.add_argument("--out", required=True, help="checkpoint file (.npz) or run folder to write (required, no default)")
+    p.add_argument("--mtp", choices=("keep", "none", "init"), default="keep",
+                   help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
+                        "(two fresh ones) (default keep)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    a = p.parse_args(argv)
     npz = a.out.endswith(".npz")
     pl.writable(os.path.dirname(a.out) or "." if npz else a.out, "--out", folder=True)   # made if new
     out = a.out if npz else os.path.join(a.out, "ckpt.npz")

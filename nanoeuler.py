@@ -1439,31 +1439,13 @@ def cmd_serve(argv):
 
 
 def cmd_export(argv):
-    p = pl.Parser(prog=f"{PROG} export", description="write a checkpoint as a Hugging Face LlamaForCausalLM folder "
-                  "(hf) or a GGUF file for llama.cpp (gguf); export.py says how")
-    p.add_argument("--ckpt", default=pl.run_ckpt("train"),
-                   help=f"checkpoint file or run folder (default {pl.run_ckpt('train')})")
-    p.add_argument("--format", choices=("hf", "gguf"), default="hf", help="hf: a folder; gguf: one file (default hf)")
-    p.add_argument("--dtype", choices=("f32", "f16", "q8_0"), default="f32", help="gguf matrices (default f32)")
-    p.add_argument("--out", required=True, help="folder (hf) or .gguf file to write (required, no default)")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
-    a = p.parse_args(argv)
-    import export                                    # its packages (safetensors, gguf) serve this mode alone
-    export.cmd_export(a)
+    import export                                    # its packages (safetensors, gguf) serve these modes alone
+    export.cmd_export(argv, PROG)
 
 
 def cmd_import(argv):
-    p = pl.Parser(prog=f"{PROG} import", description="read a Hugging Face LlamaForCausalLM folder with a byte-level "
-                  "BPE tokenizer into a NanoEuler checkpoint")
-    p.add_argument("--hf", required=True, help="the Hugging Face folder (required, no default)")
-    p.add_argument("--out", required=True, help="checkpoint file (.npz) or run folder to write (required, no default)")
-    p.add_argument("--mtp", choices=("keep", "none", "init"), default="keep",
-                   help="MTP heads: keep those of the folder's mtp_heads.safetensors, none (head 0 alone) or init "
-                        "(two fresh ones) (default keep)")
-    p.add_argument("--force", action="store_true", help="overwrite --out")
-    a = p.parse_args(argv)
     import export
-    export.cmd_import(a)
+    export.cmd_import(argv, PROG)
 
 
 def cmd_bench(argv):

@@ -5594,6 +5594,16 @@ def cmd_plot(argv):
     print(f"wrote {evaluate.plot(a.runs, evaluate.plot_out(a.out))}")
 
 
+def cmd_export(argv):
+    import export                                    # numpy alone; its packages (safetensors, gguf) serve it alone
+    export.cmd_export(argv, "nanoeuler_cuda.py")
+
+
+def cmd_import(argv):
+    import export
+    export.cmd_import(argv, "nanoeuler_cuda.py")
+
+
 # ----------------------------------------------------------------------------------------------------
 # 8. verification: the NVRTC compile check, the self-test of every kernel, the gradient check of the model
 
@@ -6797,6 +6807,9 @@ MODES = {   # name: (one line of the mode list, fn(argv)); each mode's --help gi
     "eval": ("HellaSwag (acc, acc_norm) or bits per byte of a text, batched", cmd_eval),
     "plot": ("train and validation loss curves of runs, a PNG", cmd_plot),
     "bench": ("speed per precision: tokens/s, ms/step, MFU, memory; attention; generation", cmd_bench),
+    "export": ("write a checkpoint for transformers (hf) or llama.cpp (gguf); numpy alone, as the CPU's",
+               cmd_export),
+    "import": ("a Hugging Face Llama folder -> a checkpoint (sample, chat, sft)", cmd_import),
 }
 LETTERS = {"": "selftest", "g": "gradcheck", "t": "train", "tr": "resume", "i": "sample", "s": "sft", "c": "chat",
            "d": "dpo"}

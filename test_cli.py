@@ -123,6 +123,12 @@ def test_every_flag_has_help_with_its_default(monkeypatch):
             assert a.help and "default" in a.help, (prog, a.option_strings)
 
 
+def test_both_engines_have_the_same_modes():
+    """The README's promise: the modes and letters of the two engines are one set, but for the GPU's checks."""
+    assert set(nc.MODES) - {"selftest", "gradcheck"} == set(ne.MODES)
+    assert {k: v for k, v in nc.LETTERS.items() if v in ne.MODES} == ne.LETTERS
+
+
 def test_gpu_train_takes_batch_auto(monkeypatch):
     """The GPU engine's --batch is a whole number or auto (documented in --help); the CPU engine's a number."""
     parsers = _parsers(monkeypatch)
