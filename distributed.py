@@ -636,3 +636,8 @@ class ZeRO:
         agreed = bool(x.get()[0])
         self.group.stopped_together |= agreed
         return agreed
+
+
+if __name__ == "__main__":                          # a library of the engines, not a command of its own
+    raise SystemExit("error: distributed.py is --gpus N of the GPU engine: "
+                     "python3 nanoeuler_cuda.py train --gpus 2 --help")

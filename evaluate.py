@@ -294,3 +294,8 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+if __name__ == "__main__":                          # a library of the engines, not a command of its own
+    raise SystemExit("error: evaluate.py is the eval and plot modes: "
+                     "python3 nanoeuler.py eval --help (or plot --help)")

@@ -481,3 +481,8 @@ def cmd_import(argv, prog):
     pl.save_checkpoint(out, P, tok, extra={"kind": kind})
     print(f"wrote {out}: {kind} model {P.cfg}, {pl.num_params(P.cfg):,} parameters, tokenizer of "
           f"{tok.vocab_size} ids, {P.cfg.n_mtp} head(s)")
+
+
+if __name__ == "__main__":                          # a library of the engines, not a command of its own
+    raise SystemExit("error: export.py is the export and import modes: "
+                     "python3 nanoeuler.py export --help (or import --help)")

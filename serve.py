@@ -1143,3 +1143,8 @@ def run(a, tok, cfg, chat, decoder_factory, engine):
         raise                                         # status 130, as every mode's Ctrl-C
     finally:
         server.server_close()
+
+
+if __name__ == "__main__":                          # a library of the engines, not a command of its own
+    raise SystemExit("error: serve.py is the serve mode: "
+                     "python3 nanoeuler.py serve --help (or nanoeuler_cuda.py serve)")

@@ -123,6 +123,12 @@ def test_every_flag_has_help_with_its_default(monkeypatch):
             assert a.help and "default" in a.help, (prog, a.option_strings)
 
 
+def test_a_library_run_alone_says_which_command_it_serves():
+    """python3 export.py (evaluate, serve, distributed) did nothing and exited 0: now one line naming the mode."""
+    for name in ("export.py", "evaluate.py", "serve.py", "distributed.py"):
+        assert_one_line_error(run_engine(name, timeout=60), name, "--help")
+
+
 def test_both_engines_have_the_same_modes():
     """The README's promise: the modes and letters of the two engines are one set, but for the GPU's checks."""
     assert set(nc.MODES) - {"selftest", "gradcheck"} == set(ne.MODES)
