@@ -1297,7 +1297,7 @@ def speculation_pays(cfg):
 
 
 def speculative_of(P, a, sampling):
-    return pl.speculative_for(a.speculative, sampling, speculation_pays(P.cfg))
+    return pl.speculative_for(a.speculative, sampling, P.cfg.n_mtp, speculation_pays(P.cfg))
 
 
 def cpu_generate(P, a, stats=None):

@@ -5297,7 +5297,7 @@ SUSTAIN_S = 5.0     # seconds of batches before bench_generation's sustained fig
 def gpu_generate(sampler, a, stats=None):
     """generate_fn(ids, n, rng) for the pipeline's sample and chat loops, with a's sampling flags."""
     sampling = pl.sampling_of(a)
-    spec = pl.speculative_for(a.speculative, sampling)
+    spec = pl.speculative_for(a.speculative, sampling, sampler.cfg.n_mtp)
     return lambda ids, n, rng: sampler.generate(ids, n, sampling, rng, speculative=spec, stats=stats)
 
 
@@ -5320,7 +5320,8 @@ def cmd_infer(argv):
         return
     stats = {}
     arrivals = pl.sample_to_stdout(tok, gpu_generate(sampler, a, stats), prompt, a, P.cfg.ctx)
-    print(pl.speed_line(arrivals, pl.speculative_for(a.speculative, pl.sampling_of(a)), stats, warmup=GPU_WARMUP),
+    print(pl.speed_line(arrivals, pl.speculative_for(a.speculative, pl.sampling_of(a), P.cfg.n_mtp), stats,
+                        warmup=GPU_WARMUP),
           file=sys.stderr)
 
 

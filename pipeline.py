@@ -1712,10 +1712,11 @@ def sampling_of(a):
     return Sampling(a.temperature, a.top_k, a.top_p, a.repetition_penalty)
 
 
-def speculative_for(flag, sampling, pays=True):
+def speculative_for(flag, sampling, n_mtp, pays=True):
     """--speculative as given, or by default (None) on for greedy decoding alone, where the drafts are kept
-    most often, and where it pays on this engine and model (pays)."""
-    return flag if flag is not None else sampling.temperature <= 0 and pays
+    most often, and where it pays on this engine and model (pays); off without MTP heads to draft (n_mtp 1),
+    which the speed line then says."""
+    return n_mtp > 1 and (flag if flag is not None else sampling.temperature <= 0 and pays)
 
 
 def add_sample_flags(p, ckpt, temperature, tokens_help=None, seed_help=None, speculative_help=None, speculative=True):

@@ -311,6 +311,15 @@ def test_sample_cli_samples_and_speed_line(one_step_ckpt):
     assert_one_line_error(cli_here("sample", "--ckpt", one_step_ckpt, "--samples", 0), "--samples 0")
 
 
+def test_speculative_without_mtp_heads_says_it_is_off(tmp_path):
+    """--speculative on a checkpoint of head 0 alone (an import with --mtp none) has nothing to draft with: the
+    speed line says off, where it said nothing of it."""
+    cfg = pl.Config(**{**pl.asdict(pl.CONFIGS["tiny"]), "n_mtp": 1})
+    pl.save_checkpoint(str(tmp_path / "one.npz"), pl.Params.init(cfg, 0), bpe.Tokenizer([]))
+    r = cli_here("sample", "--ckpt", tmp_path / "one.npz", "--tokens", 8, "--temperature", 0, "--speculative")
+    assert r.returncode == 0 and r.stderr.rstrip().endswith(", speculative off]"), r.stderr
+
+
 def test_model_text_shown_to_a_person_escapes_control_bytes(tmp_path, monkeypatch, capsys):
     """Issue 31 item 5: NUL, ESC and the other C0/C1 controls (not newline, tab) reach the terminal and report.md
     as \\xNN, through pl.stream (sample), print_sample (training's samples), chat and the report."""
