@@ -516,8 +516,7 @@ def parse(argv):
 
 def speedrun(argv):
     a = parse(argv)
-    run = os.path.abspath(a.out)
-    pl.writable(run, "--out", folder=True)
+    run = os.path.abspath(pl.writable(a.out, "--out", folder=True))   # "" is refused, not the current folder
     plan, plan_path = make_plan(a), os.path.join(run, "plan.json")
     if os.path.isfile(plan_path):
         kept = json.load(open(plan_path))

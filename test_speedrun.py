@@ -112,6 +112,7 @@ def test_speedrun_bad_input_is_one_line(args, tmp_path, capsys):
     (tmp_path / "bad.json").write_text('[{"instruction": "a", ')
     for more, words in ((["--data", tmp_path / "missing.txt"], "--data not found"),
                         (["--budget-minutes", 0], "--budget-minutes"),
+                        (["--out", ""], "the path is empty"),                  # not the current folder
                         (["--config", "tiny"], "no speedrun setup for tiny"),
                         (["--hellaswag-items", 0], "--hellaswag-items 0"),
                         (["--stop-after", "nothing"], "invalid choice"),
