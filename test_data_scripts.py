@@ -1,15 +1,16 @@
 """
-test_data_scripts.py -- the corpus scripts data/get_gutenberg.sh, get_web.sh and get_alpaca.sh, run on the
-local fixtures in data/fixtures (no network; a server on 127.0.0.1 for the download path).
+test_data_scripts.py -- the corpus scripts data/get_gutenberg.sh, get_web.sh and get_alpaca.sh (and, for
+the output path OUT, every data/get_*.sh), run on the local fixtures in data/fixtures (no network; a server on 127.0.0.1 for the download path).
 
 Authority: the fixtures' known contents. Each script writes the documents it should, separated by
 <|endoftext|>, leaves an existing output alone unless FORCE=1, and for each bad source ends with one error
-line and nothing left behind.
+line and nothing left behind; so does an OUT that cannot be written as a file.
 """
 import functools
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,15 +34,16 @@ _SEP = "\n<|endoftext|>\n"
 _OFFLINE = "http://127.0.0.1:9/x"  # the discard port: connection refused at once
 
 
-_ENV_KEYS = ("GUTENBERG_SOURCE", "GUTENBERG_IDS", "WEB_SOURCE", "ALPACA_SOURCE", "OUT", "FORCE")
+_ENV_KEYS = ("GUTENBERG_SOURCE", "GUTENBERG_IDS", "WEB_SOURCE", "ALPACA_SOURCE", "HELLASWAG_SOURCE",
+             "PREFS_SOURCE", "OUT", "FORCE")
 
 
-def _run_data_script(name, out, *args, **env):
-    """Run data/<name> with OUT=out and the given environment overrides."""
+def _run_data_script(name, out, *args, wrap=(), **env):
+    """Run data/<name> with OUT=out and the given environment overrides (under the command wrap, if any)."""
     e = {k: v for k, v in os.environ.items() if k not in _ENV_KEYS}
     e.update(OUT=str(out), PYTHON=sys.executable, no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
     e.update({k: str(v) for k, v in env.items()})
-    return subprocess.run(["bash", str(_DATA / name), *map(str, args)], env=e,
+    return subprocess.run([*wrap, "bash", str(_DATA / name), *map(str, args)], env=e,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -95,7 +97,7 @@ _GUT = dict(GUTENBERG_SOURCE=_FIX / "gutenberg", GUTENBERG_IDS="1 2 3")
 # Project Gutenberg
 
 def test_data_scripts_parse():
-    for name in ("get_gutenberg.sh", "get_web.sh", "get_alpaca.sh"):
+    for name in ("get_gutenberg.sh", "get_web.sh", "get_alpaca.sh", "get_hellaswag.sh", "get_prefs.sh", "fetch.sh"):
         r = subprocess.run(["bash", "-n", str(_DATA / name)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -280,3 +282,107 @@ def test_data_alpaca_fails_cleanly(tmp_path, source):
     out = tmp_path / "alpaca.json"
     r = _run_data_script("get_alpaca.sh", out, ALPACA_SOURCE=source)
     _assert_one_error_line(r, out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the output path OUT, for every script: a good source each, and a bad one that fails after the checks
+
+_GOOD = {"get_alpaca.sh": dict(ALPACA_SOURCE=_FIX / "alpaca.json"),
+         "get_hellaswag.sh": dict(HELLASWAG_SOURCE=_FIX / "hellaswag_val.jsonl"),
+         "get_prefs.sh": dict(PREFS_SOURCE=_FIX / "hh-rlhf.jsonl.gz"),
+         "get_web.sh": dict(WEB_SOURCE=_FIX / "web.parquet"),
+         "get_gutenberg.sh": _GUT}
+_BAD = {"get_alpaca.sh": dict(ALPACA_SOURCE=_FIX / "hellaswag_val.jsonl"),
+        "get_hellaswag.sh": dict(HELLASWAG_SOURCE=_FIX / "alpaca.json"),
+        "get_prefs.sh": dict(PREFS_SOURCE=_FIX / "alpaca.json"),
+        "get_web.sh": dict(WEB_SOURCE=_FIX / "alpaca.json"),
+        "get_gutenberg.sh": dict(GUTENBERG_SOURCE=_FIX / "gutenberg", GUTENBERG_IDS="4")}  # no text
+_SCRIPTS = sorted(_GOOD)
+
+
+def _tree(root):
+    """Every path under root, with a file's bytes (a folder or fifo as such: reading a fifo would block)."""
+    return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else p.is_dir()) for p in root.rglob("*"))
+
+
+def _assert_refused(r, root, before):
+    """One error line about OUT, a non-zero exit, and nothing under root made or changed."""
+    assert r.returncode != 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: OUT="), r.stderr
+    assert "wrote" not in r.stdout and "already exists" not in r.stdout, r.stdout
+    assert _tree(root) == before
+
+
+@pytest.mark.parametrize("force", [0, 1])
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_data_out_folder_is_refused(tmp_path, name, force):
+    # was: "wc: Is a directory", then "already exists (0 bytes)" or, with FORCE=1, "wrote D" and
+    # D/D.PID.tmp left inside the folder; exit 0 either way
+    (tmp_path / "D").mkdir()
+    (tmp_path / "D" / "keep.txt").write_text("x")
+    before = _tree(tmp_path)
+    for out in (tmp_path / "D", f"{tmp_path}/D/", f"{tmp_path}/E/"):  # a trailing / names a folder too
+        _assert_refused(_run_data_script(name, out, FORCE=force, **_GOOD[name]), tmp_path, before)
+
+
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_data_out_under_a_file_is_refused(tmp_path, name):
+    # was: "mkdir: cannot create directory ...: File exists", exit 1, no error: line
+    (tmp_path / "afile").write_text("x")
+    before = _tree(tmp_path)
+    for out in (tmp_path / "afile" / "x.json", tmp_path / "afile" / "sub" / "x.json"):
+        _assert_refused(_run_data_script(name, out, **_GOOD[name]), tmp_path, before)
+
+
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_data_out_not_a_regular_file_is_refused(tmp_path, name):
+    # was: the fifo replaced by the data (and as root, OUT=/dev/null would replace the device)
+    os.mkfifo(tmp_path / "fifo")
+    _assert_refused(_run_data_script(name, tmp_path / "fifo", **_GOOD[name]), tmp_path, _tree(tmp_path))
+    assert (tmp_path / "fifo").is_fifo()
+
+
+def _as_unprivileged():
+    """A command prefix under which folder permissions apply (root ignores them), or skip."""
+    if os.geteuid() != 0:
+        return ()
+    if not shutil.which("capsh"):
+        pytest.skip("running as root without capsh, so a read-only folder cannot be made")
+    return ("capsh", "--drop=cap_dac_override", "--", "-c", 'exec "$0" "$@"')
+
+
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_data_out_in_read_only_folder(tmp_path, name):
+    # was: a bare "cp: Permission denied" (or a Python traceback from get_web.sh), no error: line
+    wrap = _as_unprivileged()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "have.txt").write_bytes(b"data")
+    ro.chmod(0o555)
+    try:
+        before = _tree(tmp_path)
+        for out in (ro / "x.txt", ro / "sub" / "x.txt"):
+            _assert_refused(_run_data_script(name, out, wrap=wrap, **_GOOD[name]), tmp_path, before)
+        r = _run_data_script(name, ro / "have.txt", wrap=wrap, FORCE=1, **_GOOD[name])
+        _assert_refused(r, tmp_path, before)
+        # an output already there is still fine without FORCE: nothing to write
+        r = _run_data_script(name, ro / "have.txt", wrap=wrap, **_GOOD[name])
+        assert r.returncode == 0 and "already exists" in r.stdout and r.stderr == "", r.stderr
+        assert _tree(tmp_path) == before
+    finally:
+        ro.chmod(0o755)
+
+
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_data_out_missing_folders_made_and_unmade(tmp_path, name):
+    # the folders above OUT are made on purpose; a failed run takes back the ones it made (was: left)
+    out = tmp_path / "new" / "sub" / "out.txt"
+    r = _run_data_script(name, out, **_GOOD[name])
+    assert r.returncode == 0 and out.stat().st_size > 0, r.stderr
+    assert os.listdir(out.parent) == ["out.txt"]
+    r = _run_data_script(name, tmp_path / "bad" / "sub" / "out.txt", **_BAD[name])
+    assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error:"), r.stderr
+    assert not (tmp_path / "bad").exists(), "folders left behind"
+    r = _run_data_script(name, out.parent / "x" / "out.txt", **_BAD[name])  # only what it made goes
+    assert r.returncode != 0 and os.listdir(out.parent) == ["out.txt"]

@@ -17,7 +17,7 @@ SRC=${GUTENBERG_SOURCE:-https://www.gutenberg.org/cache/epub}
 SRC=${SRC%/}
 OUT=${OUT:-$here/gutenberg.txt}
 
-die() { echo "error: $*" >&2; exit 1; }
+. "$here/fetch.sh"          # die, begin_output
 mb() { awk -v b="$1" 'BEGIN { printf "%.2f MB", b / 1e6 }'; }
 
 # id and title (all public domain in the US)
@@ -74,10 +74,7 @@ BOOKS="
 ids=${GUTENBERG_IDS:-$(awk 'NF { print $1 }' <<<"$BOOKS")}
 title() { awk -v id="$1" '$1 == id { $1 = ""; printf "%s", $0 }' <<<"$BOOKS"; }
 
-if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
-  echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to rebuild"
-  exit 0
-fi
+begin_output raw txt        # $tmp, and $raw and $txt for each book
 if [[ -d $SRC ]]; then local_src=1
 elif [[ $SRC =~ ^[a-zA-Z][a-zA-Z0-9+.-]*:// ]]; then local_src=0
 else die "GUTENBERG_SOURCE=$SRC is neither a directory nor a URL"
@@ -86,13 +83,10 @@ for id in $ids; do
   [[ $id =~ ^[0-9]+$ ]] || die "bad book id '$id' (GUTENBERG_IDS takes numbers)"
 done
 
-mkdir -p "$(dirname "$OUT")"
-tmp="$OUT.$$.tmp" raw="$OUT.$$.raw.tmp" txt="$OUT.$$.txt.tmp"
-trap 'rm -f "$tmp" "$raw" "$txt"' EXIT
 : >"$tmp"
 
 # book ID -> $raw: a local copy, or a download with retries and timeouts
-fetch() {
+fetch_book() {
   local id=$1 f url rc=0
   if ((local_src)); then
     for f in "$SRC/pg$id.txt" "$SRC/$id.txt" "$SRC/$id/pg$id.txt"; do
@@ -133,7 +127,7 @@ body() {
 n=$(wc -w <<<"$ids") i=0 books=0
 for id in $ids; do
   i=$((i + 1))
-  fetch "$id"
+  fetch_book "$id"
   body "$raw" >"$txt"
   if [[ ! -s $txt ]]; then
     echo "warning: book $id has no text between START/END markers, skipped" >&2

@@ -23,9 +23,7 @@ PYTHON=${PYTHON:-python3}
 . "$here/fetch.sh"          # die, begin_output, fetch
 
 [[ $MAX =~ ^[0-9]+$ ]] || die "MAX_PAIRS must be a whole number (0: all), got '$MAX'"
-begin_output
-raw="$OUT.$$.src.tmp"
-trap 'rm -f "$tmp" "$raw"' EXIT
+begin_output raw             # $tmp, and $raw for the download
 
 fetch PREFS_SOURCE "$raw"
 

@@ -19,15 +19,12 @@ SRC=${WEB_SOURCE:-https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/reso
 OUT=${OUT:-$here/web.txt}
 PYTHON=${PYTHON:-python3}
 
-die() { echo "error: $*" >&2; exit 1; }
+. "$here/fetch.sh"          # die, begin_output
 
 if ! [[ $MAX_MB =~ ^[0-9]*\.?[0-9]+$ ]] || ! awk -v m="$MAX_MB" 'BEGIN { exit !(m > 0) }'; then
   die "MAX_MB must be a positive number of megabytes, got '$MAX_MB'"
 fi
-if [[ -s $OUT && ${FORCE:-0} != 1 ]]; then
-  echo "$OUT already exists ($(wc -c <"$OUT") bytes); FORCE=1 to rebuild"
-  exit 0
-fi
+begin_output
 "$PYTHON" -c 'import duckdb' 2>/dev/null || die "the duckdb Python package is missing: pip install duckdb"
 
 # fail fast, with retries and timeouts, when a URL cannot be reached
@@ -42,10 +39,6 @@ if [[ $SRC =~ ^https?:// ]]; then
 elif [[ ! $SRC =~ ^[a-zA-Z][a-zA-Z0-9+.-]*:// ]]; then
   compgen -G "$SRC" >/dev/null || die "WEB_SOURCE=$SRC: no such file"
 fi
-
-mkdir -p "$(dirname "$OUT")"
-tmp="$OUT.$$.tmp"
-trap 'rm -f "$tmp"' EXIT
 
 "$PYTHON" - "$SRC" "$tmp" "$MAX_MB" <<'EOF'
 import sys
