@@ -283,8 +283,15 @@ class Tokenizer:
         return tok
 
     def save(self, path):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_string())
+        """Whole or not at all (a temporary file renamed over path): -o over a good tokenizer, cut short, keeps it."""
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(self.to_string())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     @classmethod
     def load(cls, path):

@@ -7,6 +7,7 @@ of token-id lists of at most ctx ids and the k-th result, an array of len(seqs[k
 log p(seqs[k][t + 1] | seqs[k][:t + 1]) for t = 0 .. len - 2. Everything else here is numpy (matplotlib is
 imported lazily, by plot only). Bad input raises pipeline.UserError.
 """
+import io
 import json
 import math
 import os
@@ -100,8 +101,10 @@ def _plot(data, out_png):
     axes[0].legend(fontsize=8, title="each run from its own start" if len(data) > 1 else None, title_fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    fig.savefig(out_png, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    pl.atomic_write(out_png, png.getvalue())          # a plot or report cut short keeps the last good one
     return out_png
 
 
@@ -291,8 +294,7 @@ def write_report(out_dir, args, cfg, val_loss, val_bpb, sample, engine="CPU", pe
         lines.append(f"none run yet (`nanoeuler.py eval --ckpt {out_dir} --task hellaswag|bpb` records them in "
                      f"{EVALS})")
     path = os.path.join(out_dir, "report.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    pl.atomic_write(path, "\n".join(lines) + "\n")
     return path
 
 

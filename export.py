@@ -160,9 +160,7 @@ CHAT_TEMPLATE = (
 # Hugging Face export: a LlamaForCausalLM folder that from_pretrained loads with no custom code
 
 def _write_json(path, obj):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-        f.write("\n")
+    pl.atomic_write(path, json.dumps(obj, indent=1, ensure_ascii=False) + "\n")   # an --force export cut short
 
 
 def _save_safetensors(tensors, path):

@@ -447,8 +447,7 @@ def prepare_data(data_path, cfg, cfg_name, cache_dir=None):
             f.write(ids.tobytes())
         os.replace(base + ".bin.tmp", base + ".bin")
         n_tokens, n_bytes = len(ids), len(text.encode())
-    tok.save(base + ".bpe.tmp")
-    os.replace(base + ".bpe.tmp", base + ".bpe")
+    tok.save(base + ".bpe")                          # last: a cache without its .bpe is made again
     print(f"tokenizer: vocab {tok.vocab_size}, {n_tokens:,} tokens, {n_bytes / n_tokens:.2f} bytes/token "
           f"({time.time() - t0:.1f} s)")
     return load_tokens(base + ".bin", cfg.vocab), tok
@@ -508,16 +507,30 @@ def save_checkpoint(path, P, tok, state=None, extra=None):
             arrays[f"adam_v.{name}"] = np.asarray(state["adam_v"][name], np.float32)
         arrays["train_state"] = np.array(json.dumps({k: state[k] for k in state if k not in ("adam_m", "adam_v")}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replaced(path) as f:
+        np.savez(f, **arrays)
+
+
+@contextlib.contextmanager
+def replaced(path):
+    """A file written whole or not at all: yields a binary file; on success it is flushed to disk and renamed
+    over path, so a Ctrl-C or a crash leaves the old file or the new one, never half of one."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):                      # a failed write leaves the last good file, and no litter
             os.remove(tmp)
+
+
+def atomic_write(path, data):
+    """replaced() of a str (UTF-8) or bytes: logs, reports, plots, JSON."""
+    with replaced(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def checkpoint_path(path):
@@ -1287,16 +1300,6 @@ def validation_loss(batch_loss, tokens, B, T, n_batches, bytes_per_token):
 
 
 LOG, EVALS = "train_log.jsonl", "evals.jsonl"        # a run folder's step log, and eval's scores of its checkpoint
-
-
-def atomic_write(path, text):
-    """Writes a text file whole or not at all: a temporary file beside it, flushed to disk, then renamed."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
 
 
 def start_log(out_dir, step):

@@ -123,6 +123,34 @@ def test_every_flag_has_help_with_its_default(monkeypatch):
             assert a.help and "default" in a.help, (prog, a.option_strings)
 
 
+def test_a_write_cut_short_keeps_the_last_good_file(tmp_path, monkeypatch):
+    """A Ctrl-C or a crash between writing a file and putting it in place leaves the old file whole: the loss
+    plot, the run report, an HF export's JSON files and a tokenizer were written in place (a Ctrl-C during a
+    resume's last plot cut an earlier run's loss.png to 124 bytes)."""
+    import evaluate
+    import export
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / pl.LOG).write_text('{"step": 1, "loss": 5.0, "tokens": 64, "ms": 10}\n')
+    real = os.replace
+
+    def replace(src, dst):                           # the interruption, just before the rename into place
+        if os.fspath(dst) == str(target):
+            raise KeyboardInterrupt
+        real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+    args = dict(pl.TRAIN_DEFAULTS, config="tiny")
+    for target, write in ((run / "loss.png", lambda p: evaluate.plot([str(run)], str(p))),
+                          (run / "report.md", lambda p: evaluate.write_report(str(run), args, TINY, 5.0, 2.0, "x")),
+                          (tmp_path / "config.json", lambda p: export._write_json(str(p), {"a": 1})),
+                          (tmp_path / "t.bpe", lambda p: bpe.Tokenizer([]).save(str(p)))):
+        target.write_bytes(b"the last good one")
+        with pytest.raises(KeyboardInterrupt):
+            write(target)
+        assert target.read_bytes() == b"the last good one", target.name
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 def test_a_library_run_alone_says_which_command_it_serves():
     """python3 export.py (evaluate, serve, distributed) did nothing and exited 0: now one line naming the mode."""
     for name in ("export.py", "evaluate.py", "serve.py", "distributed.py"):
