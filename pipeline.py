@@ -1453,6 +1453,12 @@ def _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extr
             print(msg, flush=True)
         if sample_fn and args.get("sample_every") and step % args["sample_every"] == 0 and step < steps:
             sample_fn(step)
+        if saving and stopping and fresh_log and (extra or {}).get("kind") == "chat":
+            # Ctrl-C in sft/dpo --force, before its first checkpoint: no resume could finish this run, so its
+            # part would only replace the finished model in the folder
+            print(f"stopped at step {step}/{steps}; {ckpt_path} stays the earlier run's (sft and dpo do not "
+                  "resume)", flush=True)
+            return step, val_loss, True
         if saving:
             checkpoint(step)
         pending, t_last = [], time.time()
@@ -1510,6 +1516,9 @@ def start_run(a, defaults, resume):
         P, tok, state, extra = load_checkpoint(ckpt_path, want_state=True)
         if state is None:
             raise UserError(f"{ckpt_path} holds no training state to resume (an SFT checkpoint?)")
+        if extra.get("kind") == "chat":              # sft/dpo stopped by Ctrl-C: resume would go on pretraining it
+            raise UserError(f"{ckpt_path} is an sft or dpo run's; resume goes on with pretraining runs only: run sft "
+                            "or dpo again")
         run = state["train"]
         name = run.get("config", config_name(P.cfg))
         if given.get("config", name) != name:

@@ -502,6 +502,7 @@ def _cli_cases(d):
     state = {"step": 1, "adam_m": pl.Params(TINY), "adam_v": pl.Params(TINY),
              "data": np.random.default_rng(0).bit_generator.state, "train": run}
     _save(os.path.join(d, "run", "ckpt.npz"), state=state)
+    pl.save_checkpoint(os.path.join(d, "chatrun", "ckpt.npz"), pl.Params.init(TINY, 0), tok, state, {"kind": "chat"})
     j = lambda *p: os.path.join(d, *p)
     train = lambda data, *more: ["train", "tiny", "--data", j(data), "--out", j("out_" + data.replace("/", "_")),
                                  "--steps", 1, "--seq", 16, *more]
@@ -533,6 +534,7 @@ def _cli_cases(d):
         ("bench --seq > ctx", ["bench", "tiny", "--seq", 65], ["--seq 65", "context of 64"]),
         ("resume nothing", ["resume", "--out", j("nothing")], ["checkpoint not found"]),
         ("resume a chat checkpoint", ["resume", "--out", j("base")], ["no training state"]),
+        ("resume an sft run stopped by Ctrl-C", ["resume", "--out", j("chatrun")], ["sft or dpo run's", "again"]),
         ("resume other tokenizer", ["resume", "--out", j("run"), "--data", j("b.txt")], ["tokenizer differs"]),
         ("resume with the other optimiser", ["resume", "--out", j("run"), "--optim", "muon"],
          ["--optim muon", "trains with adamw"]),

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -547,6 +548,26 @@ def test_a_forced_run_keeps_the_old_runs_log_until_its_first_checkpoint(tmp_path
     _fake_run(out, [5.0, 5.0, 5.0], ckpt_every=2)
     assert _logged_steps(out) == [1, 2, 3] and [json.loads(l)["loss"] for l in open(out / pl.LOG)] == [5.0] * 3
     assert sorted(os.listdir(out)) == ["ckpt.npz", pl.LOG]      # the evals of the old checkpoint are gone
+
+
+def test_ctrl_c_in_a_forced_sft_keeps_the_finished_model(tmp_path):
+    """sft and dpo do not resume: a Ctrl-C in a --force run over a finished one, before its first checkpoint,
+    keeps the finished model (and its log) where the partial one would have replaced it."""
+    _fake_run(tmp_path, [3.0] * 4)
+    before = {name: (tmp_path / name).read_bytes() for name in ("ckpt.npz", pl.LOG)}
+    trainer = _ObjectiveTrainer([5.0] * 6)
+    step = trainer.step
+
+    def ctrl_c_at_2(x, y, lr):
+        step(x, y, lr)
+        if trainer.k == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+    trainer.step = ctrl_c_at_2
+    args = dict(pl.TRAIN_DEFAULTS, steps=6, schedule_steps=6, log_every=1, ckpt_every=10 ** 9)
+    with pytest.raises(KeyboardInterrupt):
+        pl.train_loop(trainer, bpe.Tokenizer([]), pl.Batches(np.arange(1000, dtype=np.uint16) % 256, 2, 8), args,
+                      str(tmp_path), extra={"kind": "chat"})
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
 
 
 def test_a_run_logs_each_step_once_and_one_run_only(tmp_path):
