@@ -17,6 +17,7 @@ import heapq
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -360,6 +361,7 @@ def _encode_range(tok, path, start, end, allow_special):
 
 def _init_worker(tok_string):
     global _worker_tok
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C is the parent's to handle: no traceback per worker
     _worker_tok = Tokenizer.from_string(tok_string)
 
 

@@ -44,10 +44,11 @@ class UserError(Exception):
 
 
 def _one_line_hook(kind, value, tb, _default=sys.excepthook):
-    """A UserError raised outside main() (at import: a missing package) still prints one line."""
+    """A UserError raised outside main() (at import: a missing package) still prints one line; a Ctrl-C there
+    (loading Numba and the kernels takes a second) none, and the interpreter still ends with status 130."""
     if issubclass(kind, UserError):
         print(f"error: {value}", file=sys.stderr)
-    else:
+    elif not issubclass(kind, KeyboardInterrupt):
         _default(kind, value, tb)
 
 

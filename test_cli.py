@@ -151,6 +151,14 @@ def test_a_write_cut_short_keeps_the_last_good_file(tmp_path, monkeypatch):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+def test_ctrl_c_while_the_engine_loads_prints_no_traceback():
+    """A Ctrl-C in the first second (Numba and the kernels loading, before main()) printed a traceback; the
+    process still ends by SIGINT (a shell's 130)."""
+    r = subprocess.run([sys.executable, "-c", "import pipeline; raise KeyboardInterrupt"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGINT and r.stderr == ""
+
+
 def test_a_library_run_alone_says_which_command_it_serves():
     """python3 export.py (evaluate, serve, distributed) did nothing and exited 0: now one line naming the mode."""
     for name in ("export.py", "evaluate.py", "serve.py", "distributed.py"):

@@ -397,3 +397,15 @@ def test_cli_errors_are_one_line(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
     assert not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.tmp").exists()
+
+
+def test_encoding_workers_leave_ctrl_c_to_the_parent():
+    """A Ctrl-C from a terminal reaches every process of the group: each pool worker printed its own
+    KeyboardInterrupt traceback. Workers ignore SIGINT; the parent stops the pool and exits with 130."""
+    import signal
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        bpe._init_worker(bpe.Tokenizer([]).to_string())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
