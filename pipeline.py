@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import glob
 import hashlib
 import json
 import math
@@ -1359,6 +1360,8 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
     rank, world = getattr(trainer, "rank", 0), getattr(trainer, "world", 1)
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)          # made here: a run that fails before its first step leaves none
+        for stale in glob.glob(os.path.join(glob.escape(out_dir), "ckpt.npz.*.tmp")):
+            os.remove(stale)                         # a write killed (SIGKILL, power) before its rename: GBs at big
         if start == 0 and os.path.exists(ckpt_path):     # --force: the old run's log and evals stay with its
             log_path += ".new"                           # checkpoint until this run's first replaces it
             print(f"note: this run logs to {log_path} until its first checkpoint replaces {ckpt_path}", flush=True)

@@ -550,6 +550,14 @@ def test_a_forced_run_keeps_the_old_runs_log_until_its_first_checkpoint(tmp_path
     assert sorted(os.listdir(out)) == ["ckpt.npz", pl.LOG]      # the evals of the old checkpoint are gone
 
 
+def test_a_run_removes_the_temporary_file_of_a_killed_checkpoint_write(tmp_path):
+    """SIGKILL between a checkpoint's write and its rename leaves ckpt.npz.PID.tmp (as big as the checkpoint);
+    the folder's next run removes it."""
+    tmp_path.joinpath("ckpt.npz.4242.tmp").write_bytes(b"x" * 100)
+    _fake_run(tmp_path, [3.0] * 2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz", pl.LOG]
+
+
 def test_ctrl_c_in_a_forced_sft_keeps_the_finished_model(tmp_path):
     """sft and dpo do not resume: a Ctrl-C in a --force run over a finished one, before its first checkpoint,
     keeps the finished model (and its log) where the partial one would have replaced it."""
