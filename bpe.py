@@ -284,15 +284,9 @@ class Tokenizer:
         return tok
 
     def save(self, path):
-        """Whole or not at all (a temporary file renamed over path): -o over a good tokenizer, cut short, keeps it."""
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(self.to_string())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        """Whole or not at all: -o over a good tokenizer, cut short, keeps it."""
+        import pipeline as pl                        # which imports this module: loaded when first needed
+        pl.atomic_write(path, self.to_string())
 
     @classmethod
     def load(cls, path):

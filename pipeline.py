@@ -1365,13 +1365,11 @@ def train_loop(trainer, tok, batches, args, out_dir, val_fn=None, extra=None, st
         if start == 0 and os.path.exists(ckpt_path):     # --force: the old run's log and evals stay with its
             log_path += ".new"                           # checkpoint until this run's first replaces it
             print(f"note: this run logs to {log_path} until its first checkpoint replaces {ckpt_path}", flush=True)
-            with open(log_path, "w"):
-                pass
         else:
             start_log(out_dir, start)
     flag = StopFlag("this step" if world == 1 else "the steps up to the next progress line")
     try:
-        with open(log_path if rank == 0 else os.devnull, "a") as log:
+        with open(log_path if rank == 0 else os.devnull, "w" if log_path.endswith(".new") else "a") as log:
             for rec in first:                        # records before step 1 (DPO's held-out metrics at step 0)
                 log.write(json.dumps(rec) + "\n")
             step, val_loss, stopped = _train_steps(trainer, tok, batches, args, ckpt_path, log, flag, val_fn, extra,
