@@ -1938,9 +1938,9 @@ __device__ __forceinline__ void fb_load_vec(float* dst, const float* src, int r0
 // --- wgmma (sm_90a; module flash_bf16_wg): a warpgroup (the block's 4 warps) multiplies 64-row tiles, the tensor
 // cores reading the shared operands through descriptors (no ldmatrix, a few instructions a product). Its C
 // fragments are fb_mma's: warp w holds rows 16w..16w+15, acc[n] columns 8n..8n+7. Tiles are 64 rows of 128
-// bytes, swizzled (fb_load_tile<64, true>), 1024-byte aligned. Templates: no PTX unless a WG kernel uses them.
+// bytes, swizzled (fb_load_tile<64, true>), 1024-byte aligned. Inline and unused elsewhere: no PTX off sm_90a.
 // descriptor: start address / 16, leading offset 16 B (unused when swizzled), 8 rows = 1024 B apart, 128-B swizzle
-template <int HD> __device__ __forceinline__ unsigned long long wg_desc(const bf16* p) {
+__device__ __forceinline__ unsigned long long wg_desc(const bf16* p) {
     return ((fb_sa(p) & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 #define WG_C "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
@@ -1950,7 +1950,7 @@ template <int HD> __device__ __forceinline__ unsigned long long wg_desc(const bf
 // The products run asynchronously: wg_abt / wg_pm fence (acc and the A registers were written), issue, commit
 // and wait (wg_wait). Until then a product's registers are its own: wg_hold, after the wait, marks them written
 // there, so the compiler moves no read of an output, nor a write over a register operand, above the wait.
-template <int HD> __device__ __forceinline__ void wg_wait() {
+__device__ __forceinline__ void wg_wait() {
     asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 __device__ __forceinline__ void wg_hold(float acc[8][4]) { asm volatile("" : WG_ACC(acc) :: "memory"); }
@@ -1966,8 +1966,8 @@ template <int HD> __device__ __forceinline__ void wg_abt(float acc[8][4], const 
     for (int kk = 0; kk < HD / 16; kk++)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : WG_ACC(acc) : "l"(wg_desc<HD>(A + kk * 16)), "l"(wg_desc<HD>(Bm + kk * 16)), "r"(1));
-    wg_wait<HD>();
+                     : WG_ACC(acc) : "l"(wg_desc(A + kk * 16)), "l"(wg_desc(Bm + kk * 16)), "r"(1));
+    wg_wait();
     wg_hold(acc);
 }
 // acc (64 x HD) += P (64 x 64, A fragments pa[k-step] in registers) * M (64 x HD tile, read transposed: MN-major)
@@ -1978,8 +1978,8 @@ template <int HD> __device__ __forceinline__ void wg_pm(float acc[8][4], unsigne
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_C ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
                      : WG_ACC(acc) : "r"(pa[kk][0]), "r"(pa[kk][1]), "r"(pa[kk][2]), "r"(pa[kk][3]),
-                       "l"(wg_desc<HD>(M + kk * 16 * HD)), "r"(1));
-    wg_wait<HD>();
+                       "l"(wg_desc(M + kk * 16 * HD)), "r"(1));
+    wg_wait();
     wg_hold(acc);
     wg_hold(pa);
 }
